@@ -1,0 +1,1 @@
+"""IPython magics (`%%mesh`, `%mesh`); arrive with the kernel issue."""

@@ -1,0 +1,1 @@
+"""The Monarch Jupyter kernel (an ipykernel subclass); arrives with the kernel issue."""

@@ -1,0 +1,42 @@
+"""monarch: a notebook-first environment for distributed PyTorch.
+
+This is the public face; everything is imported lazily, so `import monarch` stays cheap and does
+not import torch, zmq or IPython. The implementation lives in `monarch.runtime`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["remote", "RemoteError", "WorkerDiedError", "ValueMesh", "Future", "ProcMesh", "current_rank", "current_size"]
+
+_EXPORTS = {
+    "remote": "monarch.runtime.remote",
+    "ValueMesh": "monarch.runtime.remote",
+    "Future": "monarch.runtime.remote",
+    "RemoteError": "monarch.runtime.errors",
+    "WorkerDiedError": "monarch.runtime.errors",
+    "ProcMesh": "monarch.runtime.mesh",
+    "current_rank": "monarch.runtime.context",
+    "current_size": "monarch.runtime.context",
+}
+
+if TYPE_CHECKING:
+    from monarch.runtime.context import current_rank, current_size
+    from monarch.runtime.errors import RemoteError, WorkerDiedError
+    from monarch.runtime.mesh import ProcMesh
+    from monarch.runtime.remote import Future, ValueMesh, remote
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'monarch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

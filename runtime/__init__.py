@@ -1,0 +1,1 @@
+"""Everything about meshes, both sides: shapes, spawning, transport, controller, workers."""

@@ -1,0 +1,56 @@
+"""What a worker knows about itself, for code running on it.
+
+Live functions can call `current_rank()` / `current_size()` to learn their coordinates in the mesh
+they were called on (a slice or a renamed view has its own coordinates).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class WorkerInfo:
+    """Set once when a worker starts."""
+
+    rank: int
+    """Global rank in the spawned mesh (also the torch.distributed rank)."""
+    coords: dict[str, int]
+    """Coordinates in the spawned mesh."""
+    sizes: dict[str, int]
+    """Sizes of the spawned mesh."""
+    local_rank: int
+    """Index among the workers on this host; picks the GPU."""
+    device: Any
+    """The `torch.device` this worker owns."""
+
+
+@dataclass
+class CallView:
+    """The mesh view the current call was made on."""
+
+    coords: dict[str, int] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
+
+
+worker: WorkerInfo | None = None
+view = CallView()
+
+
+def _need_worker() -> WorkerInfo:
+    if worker is None:
+        raise RuntimeError("not on a monarch worker: current_rank() is for code running on a mesh")
+    return worker
+
+
+def current_rank() -> dict[str, int]:
+    """This worker's coordinates in the mesh view the running call was made on."""
+    _need_worker()
+    return dict(view.coords)
+
+
+def current_size() -> dict[str, int]:
+    """Sizes of the mesh view the running call was made on."""
+    _need_worker()
+    return dict(view.sizes)

@@ -1,0 +1,460 @@
+"""The controller: one per process; owns the sockets, the workers and the calls in flight.
+
+Threads: the user's thread sends commands (pipelined, never waiting for an answer) on a ROUTER
+socket; one I/O thread receives replies and output on a PULL socket and watches each worker's
+process sentinel, so a dead worker is noticed the moment it exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import datetime
+import itertools
+import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.popen_forkserver
+import multiprocessing.spawn
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from monarch.runtime import wire
+from monarch.runtime.errors import WorkerDiedError, exit_cause
+from monarch.runtime.shape import Shape
+
+SPAWN_TIMEOUT = float(os.environ.get("MONARCH_SPAWN_TIMEOUT", "120"))
+EXIT_GRACE = 3.0
+"""Seconds a worker gets to exit after `exit()` before it is killed."""
+
+
+@dataclass
+class OutputEvent:
+    """A chunk of a worker's stdout or stderr."""
+
+    call_id: int | None
+    """The call it was written during, or None between calls."""
+    mesh_id: int
+    rank: int
+    label: str
+    """The worker's coordinates, e.g. ``"gpu=3"``."""
+    stream: str
+    """``"stdout"`` or ``"stderr"``."""
+    text: str
+
+
+class _LineLabeller:
+    """Default output sink: write worker output to our stdout/stderr, each line labelled."""
+
+    def __init__(self) -> None:
+        self.at_line_start: dict[tuple[int, int, str], bool] = {}
+
+    def __call__(self, ev: OutputEvent) -> None:
+        out = sys.stdout if ev.stream == "stdout" else sys.stderr
+        if out is None:
+            return
+        key = (ev.mesh_id, ev.rank, ev.stream)
+        prefix = f"[{ev.label}] "
+        parts = []
+        start = self.at_line_start.get(key, True)
+        for line in ev.text.splitlines(keepends=True):
+            parts.append(prefix + line if start else line)
+            start = line.endswith("\n")
+        self.at_line_start[key] = start
+        out.write("".join(parts))
+        out.flush()
+
+
+@dataclass
+class SpawnedMesh:
+    """The processes of one spawned mesh; every view of it refers to this."""
+
+    controller: Controller
+    mesh_id: int
+    shape: Shape
+    procs: list[Any]
+    labels: list[str]
+    info: list[dict] = field(default_factory=list)
+    state: str = "starting"
+    """starting, running, failed, stopping or stopped."""
+    failure: WorkerDiedError | None = None
+    exitcodes: dict[int, int | None] = field(default_factory=dict)
+    all_exited: threading.Event = field(default_factory=threading.Event)
+    fns: dict[bytes, tuple[int, set[int]]] = field(default_factory=dict)
+    """Pickled function -> (function id, ranks that have it)."""
+    groups: dict[tuple, int] = field(default_factory=dict)
+    """Rank partition -> group id."""
+
+    def check_usable(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+        if self.state != "running":
+            raise RuntimeError(f"mesh {self.shape.describe()} is {self.state}; spawn a new one (mesh.respawn())")
+
+
+@dataclass
+class PendingCall:
+    call_id: int
+    mesh: SpawnedMesh
+    ranks: tuple[int, ...]
+    future: concurrent.futures.Future
+    replies: dict[int, tuple[str, list]] = field(default_factory=dict)
+
+
+class Controller:
+    """Owns this process's meshes. Get it with `get_controller()`."""
+
+    def __init__(self) -> None:
+        self.key = os.urandom(32)
+        self.zctx = zmq.Context()
+        self.router = self.zctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.pull = self.zctx.socket(zmq.PULL)
+        for s in (self.router, self.pull):
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.RCVHWM, 0)
+            s.setsockopt(zmq.LINGER, 0)
+        self.dir = tempfile.mkdtemp(prefix="monarch-")  # mode 0700: only this user can connect
+        transport = os.environ.get("MONARCH_TRANSPORT", "ipc")
+        if transport == "ipc":
+            self.host = "127.0.0.1"
+            self.router.bind(f"ipc://{self.dir}/cmd")
+            self.pull.bind(f"ipc://{self.dir}/reply")
+        elif transport == "tcp":
+            self.host = os.environ.get("MONARCH_BIND_ADDR", "127.0.0.1")
+            self.router.bind(f"tcp://{self.host}:0")
+            self.pull.bind(f"tcp://{self.host}:0")
+        else:
+            raise ValueError(f"MONARCH_TRANSPORT={transport!r}; use 'ipc' or 'tcp'")
+        self.cmd_addr = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.reply_addr = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.router_lock = threading.Lock()
+        self.spawn_lock = threading.Lock()
+        self.meshes: dict[int, SpawnedMesh] = {}
+        self.calls: dict[int, PendingCall] = {}
+        self.sentinels: dict[int, tuple[SpawnedMesh, int]] = {}
+        self.output: Callable[[OutputEvent], None] = _LineLabeller()
+        self._ids = itertools.count(1)
+        self._mesh_ids = itertools.count(0)
+        self._store = None
+        self._closed = False
+        self._wake_r, self._wake_w = os.pipe()
+        self._io = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)
+        self._io.start()
+        atexit.register(self.shutdown)
+
+    # -- spawning ----------------------------------------------------------------------------------
+    def _store_addr(self) -> tuple[str, int]:
+        if self._store is None:
+            import torch.distributed as dist
+
+            self._store = dist.TCPStore(
+                self.host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
+            )
+        return self.host, self._store.port
+
+    def spawn(self, sizes: dict[str, int]) -> SpawnedMesh:
+        """Start one worker process per point of `sizes` on this host; return when all are ready."""
+        shape = Shape.from_sizes(sizes)
+        ctx = _forkserver()  # starts it: it imports torch in parallel with us
+        store_addr = self._store_addr()  # imports torch while the fork server does the same
+        from monarch.runtime import spawn_entry
+
+        n = len(shape)
+        env = dict(os.environ)
+        threads = int(env.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // n))
+        fs_pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+        with self.spawn_lock:
+            mesh_id = next(self._mesh_ids)
+            labels = [shape.label(c) for c, _ in shape.points()]
+            mesh = SpawnedMesh(self, mesh_id, shape, [], labels)
+            for coords, rank in shape.points():
+                wenv = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n))
+                cfg = dict(
+                    mesh_id=mesh_id, rank=rank, coords=coords, sizes=shape.size_dict, local_rank=rank,
+                    cmd_addr=self.cmd_addr, reply_addr=self.reply_addr, key=self.key, store_addr=store_addr,
+                    env=wenv, cwd=os.getcwd(), sys_path=list(sys.path), threads=threads, forkserver_pid=fs_pid,
+                )  # fmt: skip
+                p = ctx(target=spawn_entry.run, args=(cfg,), name=f"monarch-{mesh_id}-{rank}")
+                p.start()
+                multiprocessing.process._children.discard(p)  # we reap it, via its sentinel
+                mesh.procs.append(p)
+            try:
+                self._await_ready(mesh)
+            except BaseException:
+                self._kill(mesh)
+                raise
+            mesh.state = "running"
+            self.meshes[mesh_id] = mesh
+            for rank, p in enumerate(mesh.procs):
+                self.sentinels[p.sentinel] = (mesh, rank)
+            os.write(self._wake_w, b"s")
+        return mesh
+
+    def _await_ready(self, mesh: SpawnedMesh) -> None:
+        n = len(mesh.procs)
+        info: dict[int, dict] = {}
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        by_fd = {p.sentinel: rank for rank, p in enumerate(mesh.procs)}
+        for fd in by_fd:
+            poller.register(fd, zmq.POLLIN)
+        deadline = time.monotonic() + SPAWN_TIMEOUT
+        what = f"spawning mesh {mesh.shape.describe()}"
+        while len(info) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(n)) - set(info))
+                raise TimeoutError(f"{what}: ranks {missing} not ready after {SPAWN_TIMEOUT:.0f} s")
+            with self.router_lock:
+                events = dict(poller.poll(min(left, 0.05) * 1000))
+                msgs = []
+                while self.router in events:
+                    try:
+                        msgs.append(self.router.recv_multipart(zmq.NOBLOCK, copy=False))
+                    except zmq.Again:
+                        break
+            for frames in msgs:
+                try:
+                    header = wire.decode_header(wire.verify(self.key, frames[1:]))
+                except wire.BadSignature:
+                    continue
+                kind, mesh_id, rank, data = header
+                if mesh_id != mesh.mesh_id:
+                    continue
+                if kind == "failed":
+                    raise RuntimeError(f"{what}: rank {rank} ({mesh.labels[rank]}) failed to start:\n{data}")
+                info[rank] = data
+            for fd, rank in by_fd.items():
+                if fd in events and rank not in info:
+                    code = mesh.procs[rank]._popen.poll()
+                    raise RuntimeError(
+                        f"{what}: rank {rank} ({mesh.labels[rank]}) {exit_cause(code)} before it was ready"
+                    )
+        mesh.info = [info[r] for r in range(n)]
+
+    # -- commands ----------------------------------------------------------------------------------
+    def send(self, mesh: SpawnedMesh, ranks: tuple[int, ...], frames: list) -> None:
+        """Send one signed message to `ranks` of `mesh` without waiting for anything."""
+        prefix = b"%d:" % mesh.mesh_id
+        with self.router_lock:
+            for r in ranks:
+                try:
+                    self.router.send_multipart([prefix + b"%d" % r, *frames], copy=False)
+                except zmq.ZMQError:
+                    pass  # the worker is gone; its sentinel reports it
+
+    def call(self, mesh: SpawnedMesh, ranks: tuple[int, ...], frames_for: Callable[[int], list]) -> PendingCall:
+        """Start a call on `ranks`; its future resolves to `{rank: (kind, payload)}`."""
+        mesh.check_usable()
+        call_id = next(self._ids)
+        pending = PendingCall(call_id, mesh, ranks, concurrent.futures.Future())
+        self.calls[call_id] = pending
+        if mesh.failure is not None:  # died between the check and the registration
+            self._fail(pending, mesh.failure)
+        else:
+            self.send(mesh, ranks, frames_for(call_id))
+        return pending
+
+    def interrupt(self, pending: PendingCall) -> None:
+        """Send SIGINT to the workers still busy with `pending`."""
+        for r in pending.ranks:
+            if r not in pending.replies:
+                try:
+                    os.kill(pending.mesh.info[r]["pid"], signal.SIGINT)
+                except (ProcessLookupError, IndexError):
+                    pass
+
+    def _fail(self, pending: PendingCall, error: BaseException) -> None:
+        self.calls.pop(pending.call_id, None)
+        try:
+            pending.future.set_exception(error)
+        except concurrent.futures.InvalidStateError:
+            pass
+
+    # -- the I/O thread ----------------------------------------------------------------------------
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.pull, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        watched: set[int] = set()
+        while not self._closed:
+            for fd in set(self.sentinels) - watched:
+                poller.register(fd, zmq.POLLIN)
+                watched.add(fd)
+            try:
+                events = poller.poll()
+            except zmq.ZMQError:
+                if self._closed:
+                    return
+                raise
+            for sock, _ in events:
+                try:
+                    if sock is self.pull:
+                        self._drain()
+                    elif sock == self._wake_r:
+                        os.read(self._wake_r, 4096)
+                    elif sock in self.sentinels:
+                        poller.unregister(sock)
+                        watched.discard(sock)
+                        self._on_exit(*self.sentinels.pop(sock))
+                except Exception:
+                    if self._closed:
+                        return
+                    print("monarch: internal error in the I/O thread:", file=sys.__stderr__)
+                    traceback.print_exc(file=sys.__stderr__)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                payload = wire.verify(self.key, frames)
+            except wire.BadSignature as e:
+                print(f"monarch: dropped a message that failed its signature check ({e})", file=sys.__stderr__)
+                continue
+            header = wire.decode_header(payload)
+            kind = header[0]
+            if kind == "out":
+                _, call_id, mesh_id, rank, stream, text = header
+                mesh = self.meshes.get(mesh_id)
+                label = mesh.labels[rank] if mesh else f"rank={rank}"
+                try:
+                    self.output(OutputEvent(call_id, mesh_id, rank, label, stream, text))
+                except Exception:
+                    traceback.print_exc(file=sys.__stderr__)
+            elif kind in ("result", "error"):
+                _, call_id, _, rank = header
+                pending = self.calls.get(call_id)
+                if pending is None:
+                    continue  # its caller already gave up on it
+                pending.replies[rank] = (kind, payload)
+                if len(pending.replies) == len(pending.ranks):
+                    self.calls.pop(call_id, None)
+                    if not pending.future.done():
+                        pending.future.set_result(pending.replies)
+
+    def _on_exit(self, mesh: SpawnedMesh, rank: int) -> None:
+        code = mesh.procs[rank]._popen.poll()
+        mesh.exitcodes[rank] = code
+        if len(mesh.exitcodes) == len(mesh.procs):
+            mesh.all_exited.set()
+        if mesh.state != "running":
+            return  # stopping, or already failed: expected
+        mesh.state = "failed"
+        mesh.failure = WorkerDiedError(rank, mesh.labels[rank], exit_cause(code), mesh.shape.describe(), len(mesh.procs))
+        self._kill(mesh)
+        for pending in list(self.calls.values()):
+            if pending.mesh is mesh:
+                self._fail(pending, mesh.failure)
+        print(f"monarch: {mesh.failure}", file=sys.stderr)
+
+    # -- stopping ----------------------------------------------------------------------------------
+    def _kill(self, mesh: SpawnedMesh) -> None:
+        for p in mesh.procs:
+            if p.pid is not None and p._popen.returncode is None:
+                try:
+                    os.kill(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def stop(self, mesh: SpawnedMesh) -> None:
+        """Stop a mesh's workers: ask them to exit, kill those that do not. Idempotent."""
+        if mesh.state in ("stopping", "stopped"):
+            mesh.all_exited.wait(EXIT_GRACE + 2)
+            return
+        was_running = mesh.state == "running"
+        mesh.state = "stopping"
+        if was_running:
+            self.send(mesh, tuple(range(len(mesh.procs))), wire.encode(self.key, ("exit",)))
+        if not mesh.all_exited.wait(EXIT_GRACE if was_running else 0):
+            self._kill(mesh)
+            mesh.all_exited.wait(2)
+        for pending in list(self.calls.values()):
+            if pending.mesh is mesh:
+                self._fail(pending, RuntimeError(f"mesh {mesh.shape.describe()} was stopped during the call"))
+        mesh.state = "stopped"
+        self.meshes.pop(mesh.mesh_id, None)
+
+    def shutdown(self) -> None:
+        """Stop every mesh and close the sockets (runs at interpreter exit)."""
+        if self._closed:
+            return
+        for mesh in list(self.meshes.values()):
+            self.stop(mesh)
+        self._closed = True
+        os.write(self._wake_w, b"x")
+        self._io.join(2)
+        self.router.close(0)
+        self.pull.close(0)
+        self.zctx.term()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        global _controller
+        if _controller is self:
+            _controller = None
+
+
+def _forkserver():
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["monarch.runtime.worker"])
+    multiprocessing.forkserver.ensure_running()
+    return _WorkerProcess
+
+
+def _prep_without_main(name):
+    data = _get_preparation_data(name)
+    data.pop("init_main_from_path", None)
+    data.pop("init_main_from_name", None)
+    return data
+
+
+class _Popen(multiprocessing.popen_forkserver.Popen):
+    """Forks a worker from the fork server without re-running the user's `__main__` in it.
+
+    multiprocessing would re-import the main script in each child (hence its
+    `if __name__ == "__main__"` rule); workers need nothing from it, since live functions
+    travel by value.
+    """
+
+    def _launch(self, process_obj):
+        with _prep_lock:
+            multiprocessing.spawn.get_preparation_data = _prep_without_main
+            try:
+                super()._launch(process_obj)
+            finally:
+                multiprocessing.spawn.get_preparation_data = _get_preparation_data
+
+
+class _WorkerProcess(multiprocessing.context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        return _Popen(process_obj)
+
+
+_get_preparation_data = multiprocessing.spawn.get_preparation_data
+_prep_lock = threading.Lock()
+
+
+_controller: Controller | None = None
+_lock = threading.Lock()
+
+
+def get_controller() -> Controller:
+    """This process's controller, created on first use."""
+    global _controller
+    with _lock:
+        if _controller is None:
+            _controller = Controller()
+        return _controller

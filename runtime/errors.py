@@ -1,0 +1,111 @@
+"""Errors raised on the controller for what went wrong on workers."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+
+from monarch.runtime.shape import format_ranks
+
+
+@dataclass
+class Failure:
+    """One distinct error, and the ranks that raised it."""
+
+    ranks: list[int]
+    """Global ranks (in the spawned mesh) that failed this way."""
+    labels: list[str]
+    """Their coordinates, e.g. ``"host=0,gpu=3"``."""
+    exc_type: str
+    """Qualified name of the exception type on the worker."""
+    message: str
+    """`str()` of the exception."""
+    traceback: str
+    """The worker's formatted traceback (user frames only)."""
+
+    def where(self) -> str:
+        if len(self.ranks) == 1:
+            return f"rank {self.ranks[0]} ({self.labels[0]})"
+        return f"ranks {format_ranks(self.ranks)}"
+
+
+class RemoteError(Exception):
+    """Raised on the controller when code on one or more workers failed.
+
+    `failures` holds one `Failure` per distinct traceback, with the ranks that produced it, so
+    an error that all eight ranks raised is shown once.
+    """
+
+    def __init__(self, what: str, failures: list[Failure], total: int):
+        self.what = what
+        self.failures = failures
+        self.total = total
+        super().__init__(self._text())
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(r for f in self.failures for r in f.ranks)
+
+    def _text(self) -> str:
+        n = sum(len(f.ranks) for f in self.failures)
+        lines = [f"{self.what} failed on {n} of {self.total} ranks"]
+        for f in self.failures:
+            lines.append("")
+            lines.append(f"-- {f.where()}: {f.exc_type}: {f.message}".rstrip())
+            lines.append(f.traceback.rstrip())
+        return "\n".join(lines)
+
+    def __reduce__(self):
+        return type(self), (self.what, self.failures, self.total)
+
+
+class WorkerDiedError(RemoteError):
+    """A worker process exited while its mesh was in use; the rest of that mesh is stopped."""
+
+    def __init__(self, rank: int, label: str, cause: str, mesh: str, total: int):
+        self.rank, self.label, self.cause, self.mesh = rank, label, cause, mesh
+        self.what = f"mesh {mesh}"
+        self.failures = [Failure([rank], [label], "WorkerDied", cause, "")]
+        self.total = total
+        Exception.__init__(
+            self,
+            f"rank {rank} ({label}) of mesh {mesh} {cause}; the other workers of the mesh were "
+            "stopped and calls in flight failed (mesh.respawn() starts a new mesh of the same shape)",
+        )
+
+    def __reduce__(self):
+        return type(self), (self.rank, self.label, self.cause, self.mesh, self.total)
+
+
+def group_failures(raw: list[tuple[int, str, tuple[str, str, str]]]) -> list[Failure]:
+    """`[(rank, label, (exc_type, message, traceback))]` -> one `Failure` per distinct error."""
+    groups: dict[tuple[str, str, str], Failure] = {}
+    for rank, label, (exc_type, message, tb) in sorted(raw):
+        key = (exc_type, message, tb)
+        if key not in groups:
+            groups[key] = Failure([], [], exc_type, message, tb)
+        groups[key].ranks.append(rank)
+        groups[key].labels.append(label)
+    return list(groups.values())
+
+
+def exit_cause(exitcode: int | None) -> str:
+    """Words for a worker's exit status as `multiprocessing` reports it."""
+    if exitcode is None:
+        return "lost contact (exit status unknown)"
+    if exitcode < 0:
+        sig = -exitcode
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        if sig == signal.SIGKILL:
+            return f"killed by {name} (kill -9, or the kernel's out-of-memory killer)"
+        if sig == signal.SIGSEGV:
+            return f"crashed with {name} (segmentation fault)"
+        if sig == signal.SIGABRT:
+            return f"aborted ({name})"
+        return f"killed by {name}"
+    if exitcode == 0:
+        return "exited (status 0)"
+    return f"exited with status {exitcode}"

@@ -1,0 +1,202 @@
+"""Process meshes: `this_host().spawn_procs({"gpu": 8})` and the views made from them."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from collections.abc import Iterator
+
+from monarch.runtime.groups import WORLD, ProcessGroupRef
+from monarch.runtime.shape import Shape
+
+_active: contextvars.ContextVar[ProcMesh | None] = contextvars.ContextVar("monarch_active_mesh", default=None)
+
+
+def active_mesh() -> ProcMesh | None:
+    """The mesh of the innermost `with mesh.activate():`, if any."""
+    return _active.get()
+
+
+class HostMesh:
+    """The machines a mesh can be spawned on. `this_host()` is the machine running the controller."""
+
+    def spawn_procs(self, per_host: dict[str, int] | None = None) -> ProcMesh:
+        """Start one worker process per point of `per_host` (e.g. ``{"host": 2, "gpu": 4}``).
+
+        Each worker owns `cuda:<local rank>` when GPUs exist, else the CPU, and joins a
+        torch.distributed group of the whole mesh. Returns when every worker is ready.
+        """
+        from monarch.runtime.controller import get_controller
+
+        spawned = get_controller().spawn({"gpu": 1} if per_host is None else per_host)
+        return ProcMesh(spawned, spawned.shape)
+
+    def __repr__(self) -> str:
+        return "HostMesh(this_host)"
+
+
+_this_host = HostMesh()
+
+
+def this_host() -> HostMesh:
+    """The machine this controller runs on."""
+    return _this_host
+
+
+class ProcMesh:
+    """A view (all or part, possibly renamed or reshaped) of a spawned mesh of worker processes.
+
+    Views share workers: `mesh.slice(gpu=0)` and `mesh.rename(gpu="tp")` address the same
+    processes as `mesh`.
+    """
+
+    def __init__(self, spawned, shape: Shape):
+        self._spawned = spawned
+        self._shape = shape
+
+    # -- shape -------------------------------------------------------------------------------------
+    @property
+    def sizes(self) -> dict[str, int]:
+        """`{dimension: size}` in order, e.g. ``{"host": 2, "gpu": 4}``."""
+        return self._shape.size_dict
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self._shape.names
+
+    def size(self, dim: str | None = None) -> int:
+        """Size of mesh dimension `dim`, or the number of workers when no dimension is given."""
+        return self._shape.size(dim)
+
+    def __len__(self) -> int:
+        return len(self._shape)
+
+    def rename(self, **renames: str) -> ProcMesh:
+        """`rename(host="dp", gpu="tp")`: the same workers under new dimension names."""
+        return ProcMesh(self._spawned, self._shape.rename(**renames))
+
+    def split(self, **spec) -> ProcMesh:
+        """`split(host=("dp", "pp"), gpu=("tp",), pp=2)`: replace dimensions by several; one size may be inferred."""
+        return ProcMesh(self._spawned, self._shape.split(**spec))
+
+    def slice(self, **index: int | range | slice) -> ProcMesh:
+        """`slice(gpu=0)` drops the dimension; `slice(gpu=range(0, 4))` or `slice(gpu=slice(0, 4))` keeps it."""
+        return ProcMesh(self._spawned, self._shape.slice(**index))
+
+    def flatten(self, name: str) -> ProcMesh:
+        """All workers of this view along one dimension called `name`."""
+        return ProcMesh(self._spawned, self._shape.flatten(name))
+
+    # -- workers -----------------------------------------------------------------------------------
+    def _check(self) -> None:
+        self._spawned.check_usable()
+
+    def process_group(self, dims: str | tuple[str, ...]) -> ProcessGroupRef:
+        """The torch.distributed group over mesh dimension(s) `dims` of this view.
+
+        Pass the result into a live function: on each worker it arrives as that worker's group.
+        Groups are created on first request, on every worker in the same order.
+        """
+        self._check()
+        dims_t = (dims,) if isinstance(dims, str) else tuple(dims)
+        partition = tuple(self._shape.partition(dims_t))
+        spawned = self._spawned
+        everyone = (tuple(range(len(spawned.procs))),)
+        gid = WORLD if partition == everyone else spawned.groups.get(partition)
+        if gid is None:
+            from monarch.runtime import wire
+
+            gid = spawned.groups[partition] = len(spawned.groups) + 1
+            frames = wire.encode(spawned.controller.key, ("groups", gid, partition))
+            spawned.controller.send(spawned, everyone[0], frames)
+        return ProcessGroupRef(gid, dims_t, self._shape.describe())
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[ProcMesh]:
+        """Make this the mesh that live functions run on when called without `.on(mesh)`."""
+        self._check()
+        token = _active.set(self)
+        try:
+            yield self
+        finally:
+            _active.reset(token)
+
+    def exit(self) -> None:
+        """Stop the workers (of the whole spawned mesh, which all views share). Idempotent."""
+        self._spawned.controller.stop(self._spawned)
+
+    def respawn(self) -> ProcMesh:
+        """A new mesh with the shape this mesh was spawned with (after a failure, say)."""
+        self.exit()
+        return this_host().spawn_procs(self._spawned.shape.size_dict)
+
+    def status(self) -> list[str]:
+        """Per point of this view: ``idle``, ``busy``, ``failed`` or ``stopped``."""
+        sp = self._spawned
+        busy = {r for call in list(sp.controller.calls.values()) if call.mesh is sp for r in call.ranks if r not in call.replies}
+        out = []
+        for r in self._shape.ranks:
+            if sp.state in ("running", "starting"):
+                out.append("busy" if r in busy else "idle")
+            elif sp.state == "failed":
+                out.append("failed" if r in sp.exitcodes and sp.failure and sp.failure.rank == r else "stopped")
+            else:
+                out.append("stopped")
+        return out
+
+    def to_table(self) -> MeshTable:
+        """A table of this view's workers: coordinates, rank, host, pid, device, status, memory."""
+        sp = self._spawned
+        status = self.status()
+        rows = []
+        for (coords, rank), st in zip(self._shape.points(), status):
+            info = sp.info[rank] if rank < len(sp.info) else {}
+            rows.append(
+                {
+                    **coords,
+                    "rank": rank,
+                    "host": info.get("host", "?"),
+                    "pid": info.get("pid", "?"),
+                    "device": info.get("device", "?"),
+                    "status": st,
+                    "memory": _rss(info.get("pid")) if st in ("idle", "busy") else "",
+                }
+            )
+        return MeshTable(self._shape.describe(), list(self._shape.names), rows)
+
+    def __repr__(self) -> str:
+        return f"<ProcMesh {self._shape.describe()}, {self._spawned.state}>"
+
+
+class MeshTable:
+    """The rows of `mesh.to_table()`; prints as a text table."""
+
+    def __init__(self, title: str, dims: list[str], rows: list[dict]):
+        self.title = title
+        self.dims = dims
+        self.rows = rows
+
+    @property
+    def columns(self) -> list[str]:
+        return [*self.dims, "rank", "host", "pid", "device", "status", "memory"]
+
+    def __str__(self) -> str:
+        cols = self.columns
+        cells = [[str(row[c]) for c in cols] for row in self.rows]
+        widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
+        line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
+        return "\n".join([f"ProcMesh {self.title}", line(cols), line(["-" * w for w in widths]), *map(line, cells)])
+
+    __repr__ = __str__
+
+
+def _rss(pid: int | None) -> str:
+    if pid is None:
+        return ""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return ""
+    return f"{pages * os.sysconf('SC_PAGE_SIZE') / 2**20:.0f} MiB"

@@ -1,0 +1,210 @@
+"""Live functions: `@monarch.remote` functions run on every worker of a mesh."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import linecache
+import pickle
+from collections.abc import Iterator
+from typing import Any, Generic, TypeVar
+
+import cloudpickle
+
+from monarch.runtime import context, wire
+from monarch.runtime.errors import RemoteError, group_failures
+from monarch.runtime.mesh import ProcMesh, active_mesh
+from monarch.runtime.shape import Shape
+
+T = TypeVar("T")
+
+
+class ValueMesh(Generic[T]):
+    """One value per point of the mesh view a call ran on.
+
+    `item(gpu=3)` picks a value by coordinates; iterating yields values in rank order;
+    `items()` yields ``(coordinates, value)``.
+    """
+
+    def __init__(self, shape: Shape, values: list[T]):
+        self._shape = shape
+        self._values = values
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self._shape.size_dict
+
+    def item(self, **coords: int) -> T:
+        """The value at `coords`; every dimension of size > 1 must be given."""
+        return self._values[self._shape.index(**coords)]
+
+    def items(self) -> Iterator[tuple[dict[str, int], T]]:
+        for i, v in enumerate(self._values):
+            yield self._shape.coords(i), v
+
+    def values(self) -> list[T]:
+        return list(self._values)
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def to_table(self) -> str:
+        rows = [(self._shape.label(c), repr(v)) for c, v in self.items()]
+        w = max(len(r[0]) for r in rows)
+        return "\n".join(f"{k.ljust(w)}  {v}" for k, v in rows)
+
+    def __repr__(self) -> str:
+        return f"ValueMesh {self._shape.describe()}:\n{self.to_table()}"
+
+
+class Future(Generic[T]):
+    """The pending result of an asynchronous live-function call; `result()` waits for it."""
+
+    def __init__(self, pending, shape: Shape, name: str):
+        self._pending = pending
+        self._shape = shape
+        self._name = name
+        self._value: ValueMesh[T] | None = None
+
+    def done(self) -> bool:
+        return self._pending.future.done()
+
+    def result(self, timeout: float | None = None) -> ValueMesh[T]:
+        """Wait for every worker; raise `RemoteError` if any failed. Ctrl-C interrupts the workers."""
+        if self._value is None:
+            try:
+                replies = self._pending.future.result(timeout)
+            except KeyboardInterrupt:
+                self._pending.mesh.controller.interrupt(self._pending)
+                raise
+            self._value = self._decode(replies)
+        return self._value
+
+    get = result
+
+    def __await__(self):
+        yield from asyncio.wrap_future(self._pending.future).__await__()
+        return self.result()
+
+    def _decode(self, replies: dict[int, tuple[str, list]]) -> ValueMesh[T]:
+        labels = self._pending.mesh.labels
+        values, failed = [], []
+        for rank in self._shape.ranks:
+            kind, payload = replies[rank]
+            try:
+                obj = wire.loads(payload[1], payload[2:])
+            except Exception as e:
+                failed.append((rank, labels[rank], (type(e).__qualname__, f"result cannot be unpickled here: {e}", "")))
+                continue
+            if kind == "error":
+                failed.append((rank, labels[rank], obj))
+            else:
+                values.append(obj)
+        if failed:
+            raise RemoteError(self._name, group_failures(failed), len(self._shape))
+        return ValueMesh(self._shape, values)
+
+
+class RemoteFunction:
+    """A function that runs on the workers of a mesh. Make one with `@monarch.remote`.
+
+    ``f(*args)`` runs it on the active mesh (`with mesh.activate():`); ``f.on(mesh)(*args)`` on a
+    given mesh or slice. Both return a `ValueMesh`; `call_async` returns a `Future`. On a worker,
+    calling it just runs the function there.
+    """
+
+    def __init__(self, fn, mesh: ProcMesh | None = None):
+        if not callable(fn):
+            raise TypeError(f"@monarch.remote needs a function, got {fn!r}")
+        self._fn = fn
+        self._mesh = mesh
+        functools.update_wrapper(self, fn)
+
+    def on(self, mesh: ProcMesh) -> RemoteFunction:
+        """This function bound to `mesh` (any view of a spawned mesh)."""
+        if not isinstance(mesh, ProcMesh):
+            raise TypeError(f"on() needs a ProcMesh (from spawn_procs or a view of one), got {type(mesh).__name__}")
+        return RemoteFunction(self._fn, mesh)
+
+    def __call__(self, *args, **kwargs):
+        if context.worker is not None:
+            return self._fn(*args, **kwargs)
+        return self.call_async(*args, **kwargs).result()
+
+    def call_async(self, *args, **kwargs) -> Future:
+        """Start the call on every worker and return at once."""
+        mesh = self._mesh or active_mesh()
+        if mesh is None:
+            raise RuntimeError(
+                f"no mesh to run {self.__name__} on: use {self.__name__}.on(mesh)(...) or call it inside `with mesh.activate():`"
+            )
+        spawned, shape = mesh._spawned, mesh._shape
+        spawned.check_usable()
+        controller = spawned.controller
+        blob = _pickle(self._fn, "function", self._fn)
+        known = spawned.fns.get(blob)
+        if known is None:
+            known = spawned.fns[blob] = (len(spawned.fns) + 1, set())
+        fid, have = known
+        ranks = shape.ranks
+        ship = not have.issuperset(ranks)
+        body = _pickle((blob if ship else None, _sources(self._fn) if ship else None, args, kwargs), "arguments", self._fn)
+        have.update(ranks)
+        names, sizes = shape.names, shape.sizes
+
+        def frames_for(call_id: int) -> list:
+            return wire.encode(controller.key, ("call", call_id, fid, names, sizes, ranks), body)
+
+        pending = controller.call(spawned, ranks, frames_for)
+        return Future(pending, shape, self.__name__)
+
+    def __repr__(self) -> str:
+        return f"<live function {self.__qualname__}>"
+
+
+def remote(fn):
+    """Decorator: make `fn` a live function (shipped by value with the globals it uses)."""
+    return RemoteFunction(fn)
+
+
+def _pickle(obj, what: str, fn) -> Any:
+    try:
+        return cloudpickle.dumps(obj, protocol=5) if what == "function" else wire.dumps(obj)
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise TypeError(
+            f"cannot send the {what} of {name} to the workers: {e}. Live functions, their arguments and the "
+            "globals they use must be picklable by cloudpickle (no open files, locks, sockets or generators)"
+        ) from e
+
+
+def _sources(fn) -> dict[str, list[str]]:
+    """Source lines of the by-value code `fn` uses, so worker tracebacks can show them."""
+    out: dict[str, list[str]] = {}
+    seen: set[int] = set()
+    todo = [fn]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if inspect.isclass(obj):
+            todo.extend(v for v in vars(obj).values() if inspect.isfunction(v))
+            continue
+        code = getattr(obj, "__code__", None)
+        if code is None or code.co_filename in out:
+            continue
+        if not cloudpickle.cloudpickle._should_pickle_by_reference(obj):
+            lines = linecache.getlines(code.co_filename, getattr(obj, "__globals__", None))
+            if lines:
+                out[code.co_filename] = lines
+            glb = getattr(obj, "__globals__", {})
+            for name in code.co_names:
+                v = getattr(glb.get(name), "__wrapped__", glb.get(name))  # a RemoteFunction wraps its function
+                if inspect.isfunction(v) or inspect.isclass(v):
+                    todo.append(v)
+    return out

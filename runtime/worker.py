@@ -1,0 +1,277 @@
+"""The worker process: one per mesh point.
+
+This module is preloaded by the fork server (it imports torch), so a worker forked from it is
+ready in milliseconds. `main` is the process entry point.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import datetime
+import linecache
+import math
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+import zmq
+
+from monarch.runtime import context, groups, wire
+from monarch.runtime.shape import Shape
+
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class WorkerConfig:
+    """Everything a worker needs to start; sent through the fork server's private pipe."""
+
+    mesh_id: int
+    """Which spawned mesh this worker belongs to."""
+    rank: int
+    """Global rank in that mesh."""
+    coords: dict[str, int]
+    """Coordinates in that mesh."""
+    sizes: dict[str, int]
+    """Sizes of that mesh."""
+    local_rank: int
+    """Index among this host's workers (picks the GPU)."""
+    cmd_addr: str
+    """Controller socket that sends commands (ROUTER)."""
+    reply_addr: str
+    """Controller socket that collects replies and output (PULL)."""
+    key: bytes
+    """HMAC key for signing messages."""
+    store_addr: tuple[str, int]
+    """The controller's torch.distributed TCPStore."""
+    env: dict[str, str]
+    """Environment to run with (the controller's, plus rank variables)."""
+    cwd: str
+    """Working directory (the controller's)."""
+    sys_path: list[str]
+    """`sys.path` (the controller's)."""
+    threads: int
+    """torch intra-op threads."""
+    forkserver_pid: int | None
+    """The parent; the worker dies with it."""
+
+
+def main(cfg: WorkerConfig) -> None:
+    _die_with_parent(cfg.forkserver_pid)
+    os.setsid()  # terminal Ctrl-C goes to the controller, which forwards interrupts
+    os.environ.update(cfg.env)
+    os.chdir(cfg.cwd)
+    sys.path[:] = cfg.sys_path
+    Worker(cfg).run()
+
+
+def _die_with_parent(parent: int | None) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)  # the fork server (and so the controller) died before we could watch it
+
+
+class Output:
+    """Forwards everything written to file descriptors 1 and 2 (Python or C) to the controller."""
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+        self.lock = threading.Lock()
+        self.streams: dict[int, tuple[str, Any]] = {}
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            r, w = os.pipe()
+            os.dup2(w, fd)
+            os.close(w)
+            os.set_blocking(r, False)
+            self.streams[r] = (name, codecs.getincrementaldecoder("utf-8")("replace"))
+        sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+        sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+        threading.Thread(target=self._loop, name="monarch-output", daemon=True).start()
+
+    def _loop(self) -> None:
+        fds = list(self.streams)
+        while fds:
+            ready, _, _ = select.select(fds, [], [])
+            with self.lock:
+                fds = [fd for fd in fds if self._drain(fd) or fd not in ready]
+
+    def _drain(self, fd: int) -> bool:
+        name, decoder = self.streams[fd]
+        chunks = []
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                break
+            if not data:
+                return False
+            chunks.append(data)
+        text = decoder.decode(b"".join(chunks)) if chunks else ""
+        if text:
+            w = self.worker
+            w.send(("out", w.call_id, w.cfg.mesh_id, w.cfg.rank, name, text))
+        return True
+
+    def flush(self) -> None:
+        """Send everything written so far; called before each reply so output precedes it."""
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except (OSError, ValueError):
+                pass
+        with self.lock:
+            for fd in self.streams:
+                self._drain(fd)
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig):
+        self.cfg = cfg
+        self.key = cfg.key
+        self.call_id: int | None = None
+        self.in_user_code = False
+        self.fns: dict[int, Any] = {}
+        self.send_lock = threading.Lock()
+        self.zctx = zmq.Context()
+        self.cmd = self.zctx.socket(zmq.DEALER)
+        self.cmd.setsockopt(zmq.IDENTITY, b"%d:%d" % (cfg.mesh_id, cfg.rank))
+        self.cmd.setsockopt(zmq.LINGER, 1000)
+        self.cmd.connect(cfg.cmd_addr)
+        self.out = self.zctx.socket(zmq.PUSH)
+        self.out.setsockopt(zmq.LINGER, 5000)
+        self.out.setsockopt(zmq.SNDHWM, 0)
+        self.out.connect(cfg.reply_addr)
+        self.output = Output(self)
+        signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.in_user_code:
+            raise KeyboardInterrupt
+
+    def send(self, header: tuple, body: list | None = None, sock=None) -> None:
+        frames = wire.encode(self.key, header, body)
+        with self.send_lock:
+            (sock or self.out).send_multipart(frames, copy=False)
+
+    # -- start-up ----------------------------------------------------------------------------------
+    def _start(self) -> None:
+        cfg = self.cfg
+        torch.set_num_threads(cfg.threads)
+        if torch.cuda.is_available():
+            device = torch.device("cuda", cfg.local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+            backend = "cpu:gloo,cuda:nccl"
+        else:
+            device = torch.device("cpu")
+            backend = "gloo"
+        context.worker = context.WorkerInfo(cfg.rank, cfg.coords, cfg.sizes, cfg.local_rank, device)
+        context.view = context.CallView(dict(cfg.coords), dict(cfg.sizes))
+        host, port = cfg.store_addr
+        timeout = datetime.timedelta(seconds=float(os.environ.get("MONARCH_GROUP_TIMEOUT", "600")))
+        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"monarch/{cfg.mesh_id}/", store),
+            rank=cfg.rank,
+            world_size=math.prod(cfg.sizes.values()),
+            timeout=timeout,
+        )
+        groups._groups[groups.WORLD] = dist.group.WORLD
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "device": str(device)}
+        self.send(("ready", cfg.mesh_id, cfg.rank, info), sock=self.cmd)
+
+    def run(self) -> None:
+        try:
+            self._start()
+        except BaseException:
+            self.send(("failed", self.cfg.mesh_id, self.cfg.rank, traceback.format_exc()), sock=self.cmd)
+            self._close()
+            return
+        while True:
+            try:
+                frames = self.cmd.recv_multipart(copy=False)
+                payload = wire.verify(self.key, frames)
+            except KeyboardInterrupt:
+                continue
+            except wire.BadSignature as e:
+                print(f"monarch worker {self.cfg.rank}: dropped a message: {e}", file=sys.stderr)
+                continue
+            header = wire.decode_header(payload)
+            kind = header[0]
+            if kind == "exit":
+                break
+            try:
+                if kind == "call":
+                    self._call(header, payload)
+                elif kind == "groups":
+                    groups.create(header[1], self.cfg.rank, header[2])
+            except Exception:  # a bug of ours: report it, keep serving
+                traceback.print_exc()
+        self._close()
+
+    def _close(self) -> None:
+        self.output.flush()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        self.send(("bye", self.cfg.mesh_id, self.cfg.rank))
+        self.out.close()
+        self.cmd.close()
+        self.zctx.term()
+
+    # -- live functions ----------------------------------------------------------------------------
+    def _call(self, header: tuple, payload: list) -> None:
+        _, call_id, fid, names, sizes, ranks = header
+        self.call_id = call_id
+        view = Shape(names, sizes, ranks)
+        context.view = context.CallView(view.coords(ranks.index(self.cfg.rank)), view.size_dict)
+        ok, value = True, None
+        try:
+            fn_blob, sources, args, kwargs = wire.loads(payload[1], payload[2:])
+            if fn_blob is not None:
+                self.fns[fid] = cloudpickle.loads(fn_blob)
+                for filename, lines in (sources or {}).items():
+                    linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+            fn = self.fns[fid]
+            self.in_user_code = True
+            try:
+                value = fn(*args, **kwargs)
+            finally:
+                self.in_user_code = False
+        except BaseException as e:
+            ok, value = False, _describe(e)
+        if ok:
+            try:
+                body = wire.dumps(value)
+            except Exception as e:
+                ok, value = False, _describe(e, f"the result ({type(value).__name__}) cannot be pickled: ")
+        self.output.flush()
+        if ok:
+            self.send(("result", call_id, self.cfg.mesh_id, self.cfg.rank), body)
+        else:
+            self.send(("error", call_id, self.cfg.mesh_id, self.cfg.rank), wire.dumps(value))
+        self.call_id = None
+
+
+def _describe(e: BaseException, prefix: str = "") -> tuple[str, str, str]:
+    """(type name, message, traceback) with the worker's own frames left out."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    text = "".join(traceback.format_exception(type(e), e, tb))
+    return (type(e).__qualname__, prefix + str(e), text)

@@ -1,0 +1,1 @@
+"""ipywidgets views with static HTML/text fallbacks; arrive with the kernel issue."""
