@@ -1,7 +1,7 @@
 """The controller: one per process; owns the sockets, the workers and the calls in flight.
 
-Threads: the user's thread sends commands (pipelined, never waiting for an answer) on a ROUTER
-socket; one I/O thread receives replies and output on a PULL socket and watches each worker's
+Threads: the user's thread sends commands (pipelined, never waiting for an answer) on an XPUB
+socket (one send reaches every worker of a mesh; a worker subscribes to its mesh and its rank); one I/O thread receives replies and output on a PULL socket and watches each worker's
 process sentinel, so a dead worker is noticed the moment it exits.
 """
 
@@ -16,6 +16,7 @@ import multiprocessing.forkserver
 import multiprocessing.popen_forkserver
 import multiprocessing.spawn
 import os
+import select
 import shutil
 import signal
 import sys
@@ -33,6 +34,9 @@ from monarch.runtime import wire
 from monarch.runtime.errors import WorkerDiedError, exit_cause
 from monarch.runtime.shape import Shape
 
+_NOBLOCK = int(zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
+_SNDMORE = int(zmq.SNDMORE)
 SPAWN_TIMEOUT = float(os.environ.get("MONARCH_SPAWN_TIMEOUT", "120"))
 EXIT_GRACE = 3.0
 """Seconds a worker gets to exit after `exit()` before it is killed."""
@@ -85,6 +89,9 @@ class SpawnedMesh:
     procs: list[Any]
     labels: list[str]
     info: list[dict] = field(default_factory=list)
+    ready: dict[int, dict] = field(default_factory=dict)
+    """Start-up reports, by rank (filled by the I/O thread)."""
+    start_error: tuple[int, str] | None = None
     state: str = "starting"
     """starting, running, failed, stopping or stopped."""
     failure: WorkerDiedError | None = None
@@ -117,8 +124,7 @@ class Controller:
     def __init__(self) -> None:
         self.key = os.urandom(32)
         self.zctx = zmq.Context()
-        self.router = self.zctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router = self.zctx.socket(zmq.XPUB)
         self.pull = self.zctx.socket(zmq.PULL)
         for s in (self.router, self.pull):
             s.setsockopt(zmq.SNDHWM, 0)
@@ -149,6 +155,12 @@ class Controller:
         self._store = None
         self._closed = False
         self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._rx_lock = threading.Lock()  # held by the one thread that receives
+        self._rx_cv = threading.Condition()
+        self._rx_waiters = 0  # callers receiving for themselves in wait()
+        self._wait_poller = zmq.Poller()  # used only under _rx_lock
+        self._wait_poller.register(self.pull, zmq.POLLIN)
         self._io = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)
         self._io.start()
         atexit.register(self.shutdown)
@@ -178,6 +190,7 @@ class Controller:
             mesh_id = next(self._mesh_ids)
             labels = [shape.label(c) for c, _ in shape.points()]
             mesh = SpawnedMesh(self, mesh_id, shape, [], labels)
+            self.meshes[mesh_id] = mesh
             for coords, rank in shape.points():
                 wenv = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n))
                 cfg = dict(
@@ -193,17 +206,19 @@ class Controller:
                 self._await_ready(mesh)
             except BaseException:
                 self._kill(mesh)
+                self.meshes.pop(mesh_id, None)
                 raise
             mesh.state = "running"
-            self.meshes[mesh_id] = mesh
             for rank, p in enumerate(mesh.procs):
                 self.sentinels[p.sentinel] = (mesh, rank)
-            os.write(self._wake_w, b"s")
+            self._wake()
         return mesh
 
     def _await_ready(self, mesh: SpawnedMesh) -> None:
+        """Wait until every worker has reported ready (on the reply socket, read by the I/O thread)
+        and subscribed to its commands (seen here, on the command socket)."""
         n = len(mesh.procs)
-        info: dict[int, dict] = {}
+        subscribed: set[int] = set()
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         by_fd = {p.sentinel: rank for rank, p in enumerate(mesh.procs)}
@@ -211,51 +226,53 @@ class Controller:
             poller.register(fd, zmq.POLLIN)
         deadline = time.monotonic() + SPAWN_TIMEOUT
         what = f"spawning mesh {mesh.shape.describe()}"
-        while len(info) < n:
+        prefix = b"\x01%d:" % mesh.mesh_id
+        while len(subscribed) < n or len(mesh.ready) < n:
+            if mesh.start_error:
+                rank, tb = mesh.start_error
+                raise RuntimeError(f"{what}: rank {rank} ({mesh.labels[rank]}) failed to start:\n{tb}")
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = sorted(set(range(n)) - set(info))
+                missing = sorted(set(range(n)) - (subscribed & set(mesh.ready)))
                 raise TimeoutError(f"{what}: ranks {missing} not ready after {SPAWN_TIMEOUT:.0f} s")
             with self.router_lock:
-                events = dict(poller.poll(min(left, 0.05) * 1000))
-                msgs = []
+                events = dict(poller.poll(min(left, 0.005) * 1000))
                 while self.router in events:
                     try:
-                        msgs.append(self.router.recv_multipart(zmq.NOBLOCK, copy=False))
+                        sub = self.router.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-            for frames in msgs:
-                try:
-                    header = wire.decode_header(wire.verify(self.key, frames[1:]))
-                except wire.BadSignature:
-                    continue
-                kind, mesh_id, rank, data = header
-                if mesh_id != mesh.mesh_id:
-                    continue
-                if kind == "failed":
-                    raise RuntimeError(f"{what}: rank {rank} ({mesh.labels[rank]}) failed to start:\n{data}")
-                info[rank] = data
+                    if sub.startswith(prefix) and sub.endswith(b"|"):
+                        subscribed.add(int(sub[len(prefix) : -1]))
             for fd, rank in by_fd.items():
-                if fd in events and rank not in info:
+                if fd in events and rank not in mesh.ready:
+                    time.sleep(0.05)  # let the I/O thread deliver its last words, if any
+                    if mesh.start_error:
+                        break
                     code = mesh.procs[rank]._popen.poll()
                     raise RuntimeError(
                         f"{what}: rank {rank} ({mesh.labels[rank]}) {exit_cause(code)} before it was ready"
                     )
-        mesh.info = [info[r] for r in range(n)]
+        mesh.info = [mesh.ready[r] for r in range(n)]
 
     # -- commands ----------------------------------------------------------------------------------
     def send(self, mesh: SpawnedMesh, ranks: tuple[int, ...], frames: list) -> None:
         """Send one signed message to `ranks` of `mesh` without waiting for anything."""
-        prefix = b"%d:" % mesh.mesh_id
+        if len(ranks) == len(mesh.procs):
+            topics = [b"%d:*" % mesh.mesh_id]  # everyone: one send
+        else:
+            topics = [b"%d:%d|" % (mesh.mesh_id, r) for r in ranks]
+        pub, more = self.router, _SNDMORE
         with self.router_lock:
-            for r in ranks:
-                try:
-                    self.router.send_multipart([prefix + b"%d" % r, *frames], copy=False)
-                except zmq.ZMQError:
-                    pass  # the worker is gone; its sentinel reports it
+            for topic in topics:
+                pub.send(topic, more)
+                if len(frames) == 1:
+                    pub.send(frames[0])
+                else:
+                    pub.send_multipart(frames, copy=False)
 
     def call(self, mesh: SpawnedMesh, ranks: tuple[int, ...], frames_for: Callable[[int], list]) -> PendingCall:
-        """Start a call on `ranks`; its future resolves to `{rank: (kind, payload)}`."""
+        """Start a call on `ranks`; its future resolves to `{rank: (kind, body, buffers)}`."""
         mesh.check_usable()
         call_id = next(self._ids)
         pending = PendingCall(call_id, mesh, ranks, concurrent.futures.Future())
@@ -282,52 +299,92 @@ class Controller:
         except concurrent.futures.InvalidStateError:
             pass
 
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"w")
+        except BlockingIOError:
+            pass  # already full of wake-ups
+
     # -- the I/O thread ----------------------------------------------------------------------------
     def _io_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.pull, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller = select.poll()
+        poller.register(self.pull.getsockopt(zmq.FD), select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
         watched: set[int] = set()
         while not self._closed:
-            for fd in set(self.sentinels) - watched:
-                poller.register(fd, zmq.POLLIN)
-                watched.add(fd)
             try:
-                events = poller.poll()
-            except zmq.ZMQError:
+                for fd in set(self.sentinels) - watched:
+                    poller.register(fd, select.POLLIN)
+                    watched.add(fd)
+                with self._rx_cv:  # a caller in wait() is receiving for itself: leave it the socket
+                    while self._rx_waiters and not self._closed:
+                        self._rx_cv.wait()
+                with self._rx_lock:
+                    self._drain()  # until empty, so the socket's notification fd is re-armed
+                for fd, _ in poller.poll():
+                    if fd == self._wake_r:
+                        os.read(self._wake_r, 4096)
+                    elif fd in self.sentinels:
+                        poller.unregister(fd)
+                        watched.discard(fd)
+                        self._on_exit(*self.sentinels.pop(fd))
+            except Exception:
                 if self._closed:
                     return
-                raise
-            for sock, _ in events:
+                print("monarch: internal error in the I/O thread:", file=sys.__stderr__)
+                traceback.print_exc(file=sys.__stderr__)
+
+    def wait(self, pending: PendingCall, timeout: float | None = None) -> dict[int, tuple[str, list]]:
+        """Wait for a call's replies, receiving them on this thread (no hand-off from the I/O thread).
+
+        The I/O thread only drains the socket when woken; a waiting caller takes the receive lock
+        and drains it itself, and so returns the moment the last reply is in.
+        """
+        fut = pending.future
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._rx_cv:
+            self._rx_waiters += 1
+        try:
+            while not fut.done():
+                left = 0.02 if deadline is None else min(0.02, deadline - time.monotonic())
+                if left <= 0:
+                    break
+                if not self._rx_lock.acquire(timeout=left):
+                    continue
                 try:
-                    if sock is self.pull:
+                    if not fut.done() and self._wait_poller.poll(left * 1000):
                         self._drain()
-                    elif sock == self._wake_r:
-                        os.read(self._wake_r, 4096)
-                    elif sock in self.sentinels:
-                        poller.unregister(sock)
-                        watched.discard(sock)
-                        self._on_exit(*self.sentinels.pop(sock))
-                except Exception:
-                    if self._closed:
-                        return
-                    print("monarch: internal error in the I/O thread:", file=sys.__stderr__)
-                    traceback.print_exc(file=sys.__stderr__)
+                finally:
+                    self._rx_lock.release()
+        finally:
+            with self._rx_cv:
+                self._rx_waiters -= 1
+                self._rx_cv.notify_all()
+        return fut.result(0)
 
     def _drain(self) -> None:
+        pull = self.pull
         while True:
             try:
-                frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = [pull.recv(_NOBLOCK)]
             except zmq.Again:
                 return
+            while pull.get(_RCVMORE):
+                frames.append(pull.recv(copy=False))
             try:
-                payload = wire.verify(self.key, frames)
+                header, body, buffers = wire.decode(self.key, frames)
             except wire.BadSignature as e:
                 print(f"monarch: dropped a message that failed its signature check ({e})", file=sys.__stderr__)
                 continue
-            header = wire.decode_header(payload)
             kind = header[0]
-            if kind == "out":
+            if kind == "ready" or kind == "failed":
+                _, mesh_id, rank, data = header
+                mesh = self.meshes.get(mesh_id)
+                if mesh is not None and kind == "ready":
+                    mesh.ready[rank] = data
+                elif mesh is not None:
+                    mesh.start_error = (rank, data)
+            elif kind == "out":
                 _, call_id, mesh_id, rank, stream, text = header
                 mesh = self.meshes.get(mesh_id)
                 label = mesh.labels[rank] if mesh else f"rank={rank}"
@@ -340,7 +397,7 @@ class Controller:
                 pending = self.calls.get(call_id)
                 if pending is None:
                     continue  # its caller already gave up on it
-                pending.replies[rank] = (kind, payload)
+                pending.replies[rank] = (kind, body, buffers)
                 if len(pending.replies) == len(pending.ranks):
                     self.calls.pop(call_id, None)
                     if not pending.future.done():
@@ -395,7 +452,9 @@ class Controller:
         for mesh in list(self.meshes.values()):
             self.stop(mesh)
         self._closed = True
-        os.write(self._wake_w, b"x")
+        self._wake()
+        with self._rx_cv:
+            self._rx_cv.notify_all()
         self._io.join(2)
         self.router.close(0)
         self.pull.close(0)

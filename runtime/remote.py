@@ -77,7 +77,7 @@ class Future(Generic[T]):
         """Wait for every worker; raise `RemoteError` if any failed. Ctrl-C interrupts the workers."""
         if self._value is None:
             try:
-                replies = self._pending.future.result(timeout)
+                replies = self._pending.mesh.controller.wait(self._pending, timeout)
             except KeyboardInterrupt:
                 self._pending.mesh.controller.interrupt(self._pending)
                 raise
@@ -90,13 +90,13 @@ class Future(Generic[T]):
         yield from asyncio.wrap_future(self._pending.future).__await__()
         return self.result()
 
-    def _decode(self, replies: dict[int, tuple[str, list]]) -> ValueMesh[T]:
+    def _decode(self, replies: dict[int, tuple]) -> ValueMesh[T]:
         labels = self._pending.mesh.labels
         values, failed = [], []
         for rank in self._shape.ranks:
-            kind, payload = replies[rank]
+            kind, body, buffers = replies[rank]
             try:
-                obj = wire.loads(payload[1], payload[2:])
+                obj = wire.loads(body, buffers)
             except Exception as e:
                 failed.append((rank, labels[rank], (type(e).__qualname__, f"result cannot be unpickled here: {e}", "")))
                 continue

@@ -1,13 +1,13 @@
 """Messages on the wire: signed frames, pickle protocol 5 with out-of-band buffers.
 
-A message is the frame list ``[signature, header, body, *buffers]``:
+A message is the frame list ``[signature | header | body, *buffers]``:
 
 - ``header`` is a plain pickle of a small tuple of builtins (the message kind, call id, rank, ...);
 - ``body`` is a cloudpickle of the user's payload (a function, arguments, a result), with every large
   buffer (tensor, ndarray, bytes-like) left out of the pickle and sent as its own frame;
 - ``signature`` is HMAC-SHA256 over header, body and buffers with a key private to one controller.
 
-`verify` checks the signature before anything is unpickled; nothing else in the runtime unpickles
+`decode` checks the signature before anything is unpickled; nothing else in the runtime unpickles
 bytes that came from a socket.
 """
 
@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import io
 import pickle
+import struct
 import sys
 import warnings
 from typing import Any
@@ -31,25 +32,17 @@ class BadSignature(Exception):
     """A message whose signature does not match; it is dropped unread."""
 
 
-def sign(key: bytes, frames: list) -> bytes:
-    if len(frames) == 2 and len(frames[0]) + len(frames[1]) < 65536:
-        # the common small message: the one-shot C implementation is several times faster
-        return hmac.digest(key, b"".join(frames), "sha256")
+SIG = 32
+_LEN = struct.Struct("<I")
+
+
+def _sign(key: bytes, parts: list) -> bytes:
+    if len(parts) == 1 and len(parts[0]) < 65536:
+        return hmac.digest(key, parts[0], "sha256")  # the common small message: one C call
     h = hmac.new(key, digestmod=hashlib.sha256)
-    for f in frames:
-        h.update(f)
+    for p in parts:
+        h.update(p)
     return h.digest()
-
-
-def verify(key: bytes, frames: list) -> list:
-    """Check `frames[0]` signs `frames[1:]`; return the payload frames as buffers."""
-    if len(frames) < 3:
-        raise BadSignature(f"message with {len(frames)} frames")
-    payload = [f.buffer if hasattr(f, "buffer") else f for f in frames[1:]]
-    sig = frames[0].bytes if hasattr(frames[0], "bytes") else frames[0]
-    if not hmac.compare_digest(sig, sign(key, payload)):
-        raise BadSignature("signature mismatch")
-    return payload
 
 
 # -- tensors as out-of-band buffers ---------------------------------------------------------------
@@ -115,10 +108,23 @@ def loads(body, buffers=()) -> Any:
 
 
 def encode(key: bytes, header: tuple, body: list | None = None) -> list:
-    """The signed frame list for `header` and an already pickled body ``[body, *buffers]``."""
-    frames = [pickle.dumps(header, protocol=5), *(body or (b"",))]
-    return [sign(key, frames), *frames]
+    """Frames for `header` and an already pickled body ``[body, *buffers]``.
+
+    The first frame is ``signature | len(header) | header | body``; each buffer follows as its own
+    frame. The signature covers everything after itself, buffers included.
+    """
+    h = pickle.dumps(header, protocol=5)
+    body = body or [b""]
+    meta = b"".join((_LEN.pack(len(h)), h, body[0]))
+    return [_sign(key, [meta, *body[1:]]) + meta, *body[1:]]
 
 
-def decode_header(payload: list) -> tuple:
-    return pickle.loads(payload[0])
+def decode(key: bytes, frames: list) -> tuple[tuple, memoryview, list]:
+    """Check the signature, then return ``(header, body, buffers)``. Nothing is unpickled before."""
+    bufs = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
+    first = bufs[0]
+    if len(first) < SIG + _LEN.size or not hmac.compare_digest(first[:SIG], _sign(key, [first[SIG:], *bufs[1:]])):
+        raise BadSignature(f"bad signature on a {len(first)}-byte message")
+    (n,) = _LEN.unpack_from(first, SIG)
+    start = SIG + _LEN.size
+    return pickle.loads(first[start : start + n]), first[start + n :], bufs[1:]

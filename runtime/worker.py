@@ -30,6 +30,7 @@ from monarch.runtime import context, groups, wire
 from monarch.runtime.shape import Shape
 
 PR_SET_PDEATHSIG = 1
+_RCVMORE = int(zmq.RCVMORE)
 
 
 @dataclass
@@ -47,7 +48,7 @@ class WorkerConfig:
     local_rank: int
     """Index among this host's workers (picks the GPU)."""
     cmd_addr: str
-    """Controller socket that sends commands (ROUTER)."""
+    """Controller socket that publishes commands (XPUB)."""
     reply_addr: str
     """Controller socket that collects replies and output (PULL)."""
     key: bytes
@@ -132,9 +133,11 @@ class Output:
                 f.flush()
             except (OSError, ValueError):
                 pass
-        with self.lock:
-            for fd in self.streams:
-                self._drain(fd)
+        ready, _, _ = select.select(list(self.streams), [], [], 0)
+        if ready:
+            with self.lock:
+                for fd in ready:
+                    self._drain(fd)
 
 
 class Worker:
@@ -146,9 +149,10 @@ class Worker:
         self.fns: dict[int, Any] = {}
         self.send_lock = threading.Lock()
         self.zctx = zmq.Context()
-        self.cmd = self.zctx.socket(zmq.DEALER)
-        self.cmd.setsockopt(zmq.IDENTITY, b"%d:%d" % (cfg.mesh_id, cfg.rank))
-        self.cmd.setsockopt(zmq.LINGER, 1000)
+        self.cmd = self.zctx.socket(zmq.SUB)
+        self.cmd.setsockopt(zmq.RCVHWM, 0)
+        self.cmd.setsockopt(zmq.SUBSCRIBE, b"%d:*" % cfg.mesh_id)  # to the whole mesh
+        self.cmd.setsockopt(zmq.SUBSCRIBE, b"%d:%d|" % (cfg.mesh_id, cfg.rank))  # to this rank
         self.cmd.connect(cfg.cmd_addr)
         self.out = self.zctx.socket(zmq.PUSH)
         self.out.setsockopt(zmq.LINGER, 5000)
@@ -161,10 +165,13 @@ class Worker:
         if self.in_user_code:
             raise KeyboardInterrupt
 
-    def send(self, header: tuple, body: list | None = None, sock=None) -> None:
+    def send(self, header: tuple, body: list | None = None) -> None:
         frames = wire.encode(self.key, header, body)
         with self.send_lock:
-            (sock or self.out).send_multipart(frames, copy=False)
+            if len(frames) == 1:
+                self.out.send(frames[0])
+            else:
+                self.out.send_multipart(frames, copy=False)
 
     # -- start-up ----------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -191,31 +198,34 @@ class Worker:
         )
         groups._groups[groups.WORLD] = dist.group.WORLD
         info = {"pid": os.getpid(), "host": socket.gethostname(), "device": str(device)}
-        self.send(("ready", cfg.mesh_id, cfg.rank, info), sock=self.cmd)
+        self.send(("ready", cfg.mesh_id, cfg.rank, info))
 
     def run(self) -> None:
         try:
             self._start()
         except BaseException:
-            self.send(("failed", self.cfg.mesh_id, self.cfg.rank, traceback.format_exc()), sock=self.cmd)
+            self.send(("failed", self.cfg.mesh_id, self.cfg.rank, traceback.format_exc()))
             self._close()
             return
+        cmd = self.cmd
         while True:
             try:
-                frames = self.cmd.recv_multipart(copy=False)
-                payload = wire.verify(self.key, frames)
+                cmd.recv()  # the topic
+                frames = [cmd.recv()]
+                while cmd.get(_RCVMORE):
+                    frames.append(cmd.recv(copy=False))
+                header, body, buffers = wire.decode(self.key, frames)
             except KeyboardInterrupt:
                 continue
             except wire.BadSignature as e:
                 print(f"monarch worker {self.cfg.rank}: dropped a message: {e}", file=sys.stderr)
                 continue
-            header = wire.decode_header(payload)
             kind = header[0]
             if kind == "exit":
                 break
             try:
                 if kind == "call":
-                    self._call(header, payload)
+                    self._call(header, body, buffers)
                 elif kind == "groups":
                     groups.create(header[1], self.cfg.rank, header[2])
             except Exception:  # a bug of ours: report it, keep serving
@@ -235,14 +245,14 @@ class Worker:
         self.zctx.term()
 
     # -- live functions ----------------------------------------------------------------------------
-    def _call(self, header: tuple, payload: list) -> None:
+    def _call(self, header: tuple, body, buffers: list) -> None:
         _, call_id, fid, names, sizes, ranks = header
         self.call_id = call_id
         view = Shape(names, sizes, ranks)
         context.view = context.CallView(view.coords(ranks.index(self.cfg.rank)), view.size_dict)
         ok, value = True, None
         try:
-            fn_blob, sources, args, kwargs = wire.loads(payload[1], payload[2:])
+            fn_blob, sources, args, kwargs = wire.loads(body, buffers)
             if fn_blob is not None:
                 self.fns[fid] = cloudpickle.loads(fn_blob)
                 for filename, lines in (sources or {}).items():
