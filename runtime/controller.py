@@ -308,19 +308,25 @@ class Controller:
     # -- the I/O thread ----------------------------------------------------------------------------
     def _io_loop(self) -> None:
         poller = select.poll()
-        poller.register(self.pull.getsockopt(zmq.FD), select.POLLIN)
+        pull_fd = self.pull.getsockopt(zmq.FD)
         poller.register(self._wake_r, select.POLLIN)
         watched: set[int] = set()
+        watching_pull = False
         while not self._closed:
             try:
                 for fd in set(self.sentinels) - watched:
                     poller.register(fd, select.POLLIN)
                     watched.add(fd)
-                with self._rx_cv:  # a caller in wait() is receiving for itself: leave it the socket
-                    while self._rx_waiters and not self._closed:
-                        self._rx_cv.wait()
-                with self._rx_lock:
-                    self._drain()  # until empty, so the socket's notification fd is re-armed
+                # While a caller in wait() receives for itself, leave it the socket; still watch workers.
+                mine = self._rx_waiters == 0 and self._rx_lock.acquire(blocking=False)
+                if mine:
+                    try:
+                        self._drain()  # until empty, so the socket's notification fd is re-armed
+                    finally:
+                        self._rx_lock.release()
+                if mine != watching_pull:
+                    poller.register(pull_fd, select.POLLIN) if mine else poller.unregister(pull_fd)
+                    watching_pull = mine
                 for fd, _ in poller.poll():
                     if fd == self._wake_r:
                         os.read(self._wake_r, 4096)
@@ -359,7 +365,7 @@ class Controller:
         finally:
             with self._rx_cv:
                 self._rx_waiters -= 1
-                self._rx_cv.notify_all()
+            self._wake()  # the I/O thread receives again
         return fut.result(0)
 
     def _drain(self) -> None:
@@ -453,8 +459,6 @@ class Controller:
             self.stop(mesh)
         self._closed = True
         self._wake()
-        with self._rx_cv:
-            self._rx_cv.notify_all()
         self._io.join(2)
         self.router.close(0)
         self.pull.close(0)

@@ -156,7 +156,7 @@ class ProcMesh:
                 {
                     **coords,
                     "rank": rank,
-                    "host": info.get("host", "?"),
+                    "hostname": info.get("host", "?"),
                     "pid": info.get("pid", "?"),
                     "device": info.get("device", "?"),
                     "status": st,
@@ -179,7 +179,7 @@ class MeshTable:
 
     @property
     def columns(self) -> list[str]:
-        return [*self.dims, "rank", "host", "pid", "device", "status", "memory"]
+        return [*self.dims, "rank", "hostname", "pid", "device", "status", "memory"]
 
     def __str__(self) -> str:
         cols = self.columns

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib
 import inspect
 import linecache
 import pickle
+import sys
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
@@ -145,7 +147,7 @@ class RemoteFunction:
         spawned, shape = mesh._spawned, mesh._shape
         spawned.check_usable()
         controller = spawned.controller
-        blob = _pickle(self._fn, "function", self._fn)
+        blob = _pickle(_by_reference(self) or self._fn, "function", self._fn)
         known = spawned.fns.get(blob)
         if known is None:
             known = spawned.fns[blob] = (len(spawned.fns) + 1, set())
@@ -169,6 +171,35 @@ class RemoteFunction:
 def remote(fn):
     """Decorator: make `fn` a live function (shipped by value with the globals it uses)."""
     return RemoteFunction(fn)
+
+
+def _import_function(module: str, qualname: str):
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj._fn if isinstance(obj, RemoteFunction) else obj
+
+
+class _FunctionRef:
+    def __init__(self, module: str, qualname: str):
+        self.module, self.qualname = module, qualname
+
+    def __reduce__(self):
+        return _import_function, (self.module, self.qualname)
+
+
+def _by_reference(rf: RemoteFunction) -> _FunctionRef | None:
+    """A reference to `rf`'s function if workers can import it (not defined in `__main__`)."""
+    fn = rf._fn
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    mod = sys.modules.get(module or "")
+    if mod is None or module == "__main__" or getattr(mod, "__spec__", None) is None or "<locals>" in qualname:
+        return None
+    try:
+        found = _import_function(module, qualname)
+    except (AttributeError, ImportError):
+        return None
+    return _FunctionRef(module, qualname) if found is fn else None
 
 
 def _pickle(obj, what: str, fn) -> Any:

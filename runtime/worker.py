@@ -77,6 +77,18 @@ def main(cfg: WorkerConfig) -> None:
 
 
 def _die_with_parent(parent: int | None) -> None:
+    # multiprocessing hands every forked child the fork server's "alive" pipe, which keeps the fork
+    # server up while any child lives. Drop it: the fork server must exit with the controller, and
+    # we with the fork server.
+    from multiprocessing import forkserver
+
+    fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        forkserver._forkserver._forkserver_alive_fd = None
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):

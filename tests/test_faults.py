@@ -1,0 +1,202 @@
+"""Faults: dead workers, dead controllers, bad input. Each checks that no process is left behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import monarch
+from monarch.actor import this_host
+from monarch.runtime.errors import RemoteError, WorkerDiedError
+
+from conftest import pid_alive, wait_gone, worker_pids
+
+
+@monarch.remote
+def sleep(seconds):
+    import time
+
+    time.sleep(seconds)
+    return seconds
+
+
+@monarch.remote
+def rank():
+    return monarch.current_rank()["gpu"]
+
+
+def test_worker_sigkill_mid_call_fails_the_call_and_mesh_respawns():
+    mesh = this_host().spawn_procs({"gpu": 4})
+    pids = worker_pids(mesh)
+    fut = sleep.on(mesh).call_async(60)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    os.kill(pids[2], signal.SIGKILL)
+    with pytest.raises(WorkerDiedError) as e:
+        fut.result(timeout=10)
+    assert time.monotonic() - t0 < 2
+    msg = str(e.value)
+    assert "rank 2 (gpu=2) of mesh {gpu: 4} killed by SIGKILL (kill -9, or the kernel's out-of-memory killer)" in msg
+    assert e.value.ranks == [2]
+    assert wait_gone(pids, 3) == []  # the rest of the mesh was stopped, nothing hangs in a collective
+    assert mesh.status() == ["stopped", "stopped", "failed", "stopped"]
+    with pytest.raises(WorkerDiedError, match="rank 2"):
+        rank.on(mesh)()  # later calls say why, at once
+    fresh = mesh.respawn()
+    assert list(rank.on(fresh)()) == [0, 1, 2, 3]
+    new_pids = worker_pids(fresh)
+    fresh.exit()
+    assert wait_gone(new_pids) == []
+
+
+def test_segfault_and_exit_status_are_named():
+    mesh = this_host().spawn_procs({"gpu": 2})
+    pids = worker_pids(mesh)
+
+    @monarch.remote
+    def crash():
+        import ctypes
+
+        if monarch.current_rank()["gpu"] == 1:
+            ctypes.string_at(0)
+        time.sleep(30)
+
+    with pytest.raises(WorkerDiedError, match=r"rank 1 \(gpu=1\) of mesh \{gpu: 2\} crashed with SIGSEGV \(segmentation fault\)"):
+        crash.on(mesh)()
+    assert wait_gone(pids) == []
+
+    mesh = this_host().spawn_procs({"gpu": 2})
+    pids = worker_pids(mesh)
+
+    @monarch.remote
+    def quit():
+        os._exit(3)
+
+    with pytest.raises(WorkerDiedError, match="exited with status 3"):
+        quit.on(mesh.slice(gpu=0))()
+    assert wait_gone(pids) == []
+
+
+def test_exit_is_idempotent_and_later_use_is_explained():
+    mesh = this_host().spawn_procs({"gpu": 2})
+    pids = worker_pids(mesh)
+    view = mesh.slice(gpu=1)
+    view.exit()  # a view stops the workers it shares
+    mesh.exit()
+    assert wait_gone(pids) == []
+    with pytest.raises(RuntimeError, match=r"mesh \{gpu: 2\} is stopped; spawn a new one \(mesh.respawn\(\)\)"):
+        rank.on(mesh)()
+
+
+def test_user_exceptions_keep_workers_alive(mesh8):
+    @monarch.remote
+    def boom():
+        raise SystemExit(2)  # even SystemExit and KeyboardInterrupt are reported, not fatal
+
+    pids = worker_pids(mesh8)
+    with pytest.raises(RemoteError, match="SystemExit"):
+        boom.on(mesh8)()
+    assert all(pid_alive(p) for p in pids) and len(rank.on(mesh8)()) == 8
+
+
+@pytest.mark.parametrize(
+    "sizes, message",
+    [
+        ({"gpu": 0}, "mesh dimension 'gpu' has size 0; sizes must be positive integers"),
+        ({"gpu": 2.5}, "mesh dimension 'gpu' has size 2.5"),
+        ([8], "mesh sizes must be a non-empty dict like {'gpu': 8}, got [8]"),
+        ({"1gpu": 2}, "invalid mesh dimension name '1gpu'"),
+    ],
+)
+def test_bad_spawn_sizes(sizes, message):
+    with pytest.raises(ValueError) as e:
+        this_host().spawn_procs(sizes)
+    assert message in str(e.value)
+
+
+CONTROLLER = textwrap.dedent(
+    """
+    import sys, time
+    from monarch.actor import this_host
+    import monarch
+
+    mesh = this_host().spawn_procs({"gpu": 3})
+    pids = [r["pid"] for r in mesh.to_table().rows]
+
+    @monarch.remote
+    def spin():
+        import time
+        while True:
+            time.sleep(0.01)
+
+    fut = spin.on(mesh).call_async()
+    print(" ".join(map(str, pids)), flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def _forkserver_children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def test_controller_sigkill_takes_every_worker_down(tmp_path):
+    script = tmp_path / "controller.py"
+    script.write_text(CONTROLLER)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 3 and all(pid_alive(p) for p in pids)
+        helpers = _forkserver_children(proc.pid)  # the fork server, resource tracker
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+        t0 = time.monotonic()
+        assert wait_gone(pids, 2.0) == [], "workers outlived their controller by 2 s"
+        assert time.monotonic() - t0 < 2.0
+        assert wait_gone(helpers, 3.0) == []
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+INTERRUPTED = textwrap.dedent(
+    """
+    import signal, threading, time, os
+    import monarch
+    from monarch.actor import this_host
+
+    mesh = this_host().spawn_procs({"gpu": 2})
+
+    @monarch.remote
+    def busy():
+        import time
+        time.sleep(30)
+
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    try:
+        busy.on(mesh)()
+    except KeyboardInterrupt:
+        print("INTERRUPTED after %.1f s" % (time.monotonic() - t0), flush=True)
+    @monarch.remote
+    def ok():
+        return 1
+    print("NEXT", list(ok.on(mesh)()), flush=True)
+    mesh.exit()
+    """
+)
+
+
+def test_ctrl_c_interrupts_workers_and_they_stay_alive(tmp_path):
+    script = tmp_path / "interrupt.py"
+    script.write_text(INTERRUPTED)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "INTERRUPTED after 0.5 s" in r.stdout
+    assert "NEXT [1, 1]" in r.stdout

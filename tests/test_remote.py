@@ -1,0 +1,216 @@
+"""Live functions: shipping by value, results, output, errors."""
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+import monarch
+from monarch.runtime.errors import RemoteError
+
+SCALE = 10
+
+
+def helper(x):
+    return x * SCALE
+
+
+@monarch.remote
+def uses_globals_and_closures(x):
+    return helper(x) + monarch.current_rank()["gpu"]
+
+
+def test_importable_function_runs_with_its_module(mesh8):
+    # this test module is importable, so the function goes by reference and the worker imports it
+    res = uses_globals_and_closures.on(mesh8)(2)
+    assert res.item(host=1, gpu=3) == 23
+
+
+def test_closure_and_lambda(mesh8):
+    k = 7
+
+    def make():
+        return lambda: k * 2
+
+    f = monarch.remote(make())
+    assert set(f.on(mesh8)()) == {14}
+
+
+def test_value_mesh_api(mesh8):
+    @monarch.remote
+    def coords():
+        return monarch.current_rank()
+
+    vm = coords.on(mesh8)()
+    assert len(vm) == 8 and vm.sizes == {"host": 2, "gpu": 4}
+    assert list(vm)[5] == {"host": 1, "gpu": 1}
+    assert [c for c, _ in vm.items()] == list(vm)
+    assert vm.item(host=0, gpu=2) == {"host": 0, "gpu": 2}
+    assert "host=1,gpu=3  {'host': 1, 'gpu': 3}" in vm.to_table()
+    with pytest.raises(ValueError, match="coordinate gpu=4 is out of range"):
+        vm.item(host=0, gpu=4)
+
+
+def test_active_mesh_and_async(mesh8):
+    @monarch.remote
+    def add(a, b=0):
+        return a + b
+
+    with pytest.raises(RuntimeError, match=r"no mesh to run add on: use add.on\(mesh\)"):
+        add(1)
+    view = mesh8.slice(host=1)
+    with view.activate():
+        assert list(add(1, b=2)) == [3] * 4
+    fut = add.on(mesh8).call_async(5)
+    assert list(fut.result(timeout=30)) == [5] * 8 and fut.done()
+
+    async def main():
+        return await add.on(mesh8).call_async(6)
+
+    assert list(asyncio.run(main())) == [6] * 8
+
+
+def test_calls_from_two_threads(mesh8):
+    @monarch.remote
+    def ident(x):
+        return x
+
+    out = {}
+
+    def run(i):
+        out[i] = [list(ident.on(mesh8)(i * 100 + j)) for j in range(20)]
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    [t.start() for t in ts]
+    [t.join(60) for t in ts]
+    assert all(out[i][j] == [i * 100 + j] * 8 for i in range(3) for j in range(20))
+
+
+def test_tensors_round_trip_out_of_band(mesh8):
+    x = torch.arange(1 << 16, dtype=torch.float32)
+    half = torch.randn(300, 7).to(torch.bfloat16)
+
+    @monarch.remote
+    def twice(t, h):
+        return t * 2, h.float().sum().item(), torch.ones(3)
+
+    res = twice.on(mesh8.slice(host=0, gpu=1))(x, half)
+    big, s, small = res.item()
+    assert torch.equal(big, x * 2)
+    assert s == pytest.approx(half.float().sum().item(), rel=1e-3)
+    assert torch.equal(small, torch.ones(3))
+
+
+def test_worker_output_reaches_controller_labelled(mesh8, capfd):
+    @monarch.remote
+    def talk():
+        print("hello from", monarch.current_rank()["gpu"])
+        print("to stderr", file=sys.stderr)
+        os.write(1, b"raw fd write\n")  # C-level writes are forwarded too
+
+    talk.on(mesh8.slice(host=1))()
+    out, err = capfd.readouterr()
+    for g in range(4):
+        assert f"[host=1,gpu={g}] hello from {g}\n" in out
+        assert f"[host=1,gpu={g}] raw fd write\n" in out
+        assert f"[host=1,gpu={g}] to stderr\n" in err
+
+
+def test_identical_errors_are_grouped_with_ranks(mesh8):
+    @monarch.remote
+    def fails():
+        r = monarch.current_rank()
+        if r["host"] == 1 and r["gpu"] == 3:
+            raise KeyError("only on the last rank")
+        raise ValueError("bad value")
+
+    with pytest.raises(RemoteError) as e:
+        fails.on(mesh8)()
+    err = e.value
+    assert err.ranks == list(range(8))
+    assert [(f.ranks, f.exc_type) for f in err.failures] == [(list(range(7)), "ValueError"), ([7], "KeyError")]
+    text = str(err)
+    assert text.startswith("fails failed on 8 of 8 ranks")
+    assert "-- ranks 0-6: ValueError: bad value" in text
+    assert "-- rank 7 (host=1,gpu=3): KeyError: 'only on the last rank'" in text
+    assert text.count('raise ValueError("bad value")') == 1  # shown once, with its source line
+    # the workers are still alive and serve the next call
+    assert len(uses_globals_and_closures.on(mesh8)(1)) == 8
+
+
+def test_unpicklable_function_and_arguments_are_type_errors(mesh8):
+    lock = threading.Lock()
+
+    @monarch.remote
+    def uses_lock():
+        return lock.locked()
+
+    with pytest.raises(TypeError, match=r"cannot send the function of .*uses_lock to the workers: cannot pickle '_thread.lock'"):
+        uses_lock.on(mesh8)()
+
+    @monarch.remote
+    def ident(x):
+        return x
+
+    with pytest.raises(TypeError, match=r"cannot send the arguments of .*ident to the workers: cannot pickle 'generator'"):
+        ident.on(mesh8)(i for i in range(3))
+    with pytest.raises(TypeError, match="on\\(\\) needs a ProcMesh"):
+        ident.on("mesh")
+
+
+def test_unpicklable_result_is_a_remote_error(mesh8):
+    @monarch.remote
+    def gives_lock():
+        return threading.Lock()
+
+    with pytest.raises(RemoteError, match=r"the result \(lock\) cannot be pickled"):
+        gives_lock.on(mesh8.slice(host=0, gpu=0))()
+
+
+def test_importable_functions_go_by_reference():
+    import cloudpickle
+
+    from monarch.runtime.remote import _by_reference
+
+    blob = cloudpickle.dumps(_by_reference(uses_globals_and_closures))
+    assert b"test_remote" in blob and b"uses_globals_and_closures" in blob and len(blob) < 200
+    assert _by_reference(monarch.remote(lambda: 1)) is None
+
+
+NOTEBOOK = r'''
+import sys
+from IPython.core.interactiveshell import InteractiveShell
+
+shell = InteractiveShell.instance()
+cells = [
+    "import monarch\nfrom monarch.actor import this_host\nmesh = this_host().spawn_procs({'gpu': 2})",
+    "factor = 3\ndef inner(x):\n    return x / (factor - 3)\n",
+    "@monarch.remote\ndef outer(x):\n    y = x + 1\n    return inner(y)\n",
+    "try:\n    outer.on(mesh)(1)\nexcept monarch.RemoteError as e:\n    print('CAUGHT', e)",
+    "factor = 5\nprint('CHANGED', list(outer.on(mesh)(1)))\nmesh.exit()",
+]
+for c in cells:
+    r = shell.run_cell(c)
+    if r.error_in_exec or r.error_before_exec:
+        sys.exit(1)
+'''
+
+
+def test_notebook_defined_code_shows_source_lines(tmp_path):
+    """Functions defined in IPython cells: no NameError trap, and worker tracebacks show cell source."""
+    script = tmp_path / "nb.py"
+    script.write_text(NOTEBOOK)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "CAUGHT outer failed on 2 of 2 ranks" in out
+    assert "-- ranks 0-1: ZeroDivisionError: division by zero" in out
+    assert "    return inner(y)" in out
+    assert "    return x / (factor - 3)" in out
+    assert "NameError" not in out
+    assert "CHANGED [1.0, 1.0]" in out  # globals are captured at each call
