@@ -9,7 +9,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["remote", "RemoteError", "WorkerDiedError", "ValueMesh", "Future", "ProcMesh", "current_rank", "current_size"]
+__all__ = [
+    "remote",
+    "RemoteError",
+    "WorkerDiedError",
+    "ValueMesh",
+    "Future",
+    "ProcMesh",
+    "current_rank",
+    "current_size",
+]
 
 _EXPORTS = {
     "remote": "monarch.runtime.remote",

@@ -417,7 +417,9 @@ class Controller:
         if mesh.state != "running":
             return  # stopping, or already failed: expected
         mesh.state = "failed"
-        mesh.failure = WorkerDiedError(rank, mesh.labels[rank], exit_cause(code), mesh.shape.describe(), len(mesh.procs))
+        mesh.failure = WorkerDiedError(
+            rank, mesh.labels[rank], exit_cause(code), mesh.shape.describe(), len(mesh.procs)
+        )
         self._kill(mesh)
         for pending in list(self.calls.values()):
             if pending.mesh is mesh:

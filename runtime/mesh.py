@@ -134,7 +134,13 @@ class ProcMesh:
     def status(self) -> list[str]:
         """Per point of this view: ``idle``, ``busy``, ``failed`` or ``stopped``."""
         sp = self._spawned
-        busy = {r for call in list(sp.controller.calls.values()) if call.mesh is sp for r in call.ranks if r not in call.replies}
+        busy = {
+            r
+            for call in list(sp.controller.calls.values())
+            if call.mesh is sp
+            for r in call.ranks
+            if r not in call.replies
+        }
         out = []
         for r in self._shape.ranks:
             if sp.state in ("running", "starting"):

@@ -154,7 +154,9 @@ class RemoteFunction:
         fid, have = known
         ranks = shape.ranks
         ship = not have.issuperset(ranks)
-        body = _pickle((blob if ship else None, _sources(self._fn) if ship else None, args, kwargs), "arguments", self._fn)
+        body = _pickle(
+            (blob if ship else None, _sources(self._fn) if ship else None, args, kwargs), "arguments", self._fn
+        )
         have.update(ranks)
         names, sizes = shape.names, shape.sizes
 

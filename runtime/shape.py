@@ -83,9 +83,7 @@ class Shape:
         try:
             return self.names.index(name)
         except ValueError:
-            raise ValueError(
-                f"unknown mesh dimension {name!r}; this mesh has dimensions {self.names}"
-            ) from None
+            raise ValueError(f"unknown mesh dimension {name!r}; this mesh has dimensions {self.names}") from None
 
     def size(self, name: str | None = None) -> int:
         """Size of one dimension, or the number of workers when `name` is None."""
@@ -111,9 +109,7 @@ class Shape:
         for name, size in zip(self.names, self.sizes):
             if name not in coords:
                 if size != 1:
-                    raise ValueError(
-                        f"coordinate for mesh dimension {name!r} missing; give all of {self.names}"
-                    )
+                    raise ValueError(f"coordinate for mesh dimension {name!r} missing; give all of {self.names}")
                 c = 0
             else:
                 c = coords[name]
@@ -159,9 +155,7 @@ class Shape:
             elif isinstance(sel, (range, slice)):
                 r = range(size)[sel] if isinstance(sel, slice) else sel
                 if len(r) == 0 or any(not 0 <= i < size for i in (r[0], r[-1])):
-                    raise ValueError(
-                        f"selection {name}={sel!r} is empty or out of range; {name} has size {size}"
-                    )
+                    raise ValueError(f"selection {name}={sel!r} is empty or out of range; {name} has size {size}")
                 picks.append(r)
                 keep.append(True)
             else:
@@ -193,9 +187,7 @@ class Shape:
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"split size {name}={size!r} must be a positive integer")
             if name not in new_names_all:
-                raise ValueError(
-                    f"split size {name}={size} names no new dimension; new dimensions are {new_names_all}"
-                )
+                raise ValueError(f"split size {name}={size} names no new dimension; new dimensions are {new_names_all}")
         names: list[str] = []
         sizes: list[int] = []
         for name, size in zip(self.names, self.sizes):

@@ -86,7 +86,6 @@ class _Pickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
-
 def dumps(obj: Any) -> list:
     """Pickle `obj` as ``[body, *buffers]``."""
     buffers: list = []

@@ -65,7 +65,9 @@ def test_segfault_and_exit_status_are_named():
             ctypes.string_at(0)
         time.sleep(30)
 
-    with pytest.raises(WorkerDiedError, match=r"rank 1 \(gpu=1\) of mesh \{gpu: 2\} crashed with SIGSEGV \(segmentation fault\)"):
+    with pytest.raises(
+        WorkerDiedError, match=r"rank 1 \(gpu=1\) of mesh \{gpu: 2\} crashed with SIGSEGV \(segmentation fault\)"
+    ):
         crash.on(mesh)()
     assert wait_gone(pids) == []
 

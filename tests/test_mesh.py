@@ -32,7 +32,7 @@ def test_spawn_2x4_coordinates(mesh8):
         assert v["view"] == coords
         assert v["rank"] == coords["host"] * 4 + coords["gpu"] == int(v["env_rank"])
         assert v["sizes"] == {"host": 2, "gpu": 4}
-        assert v["device"] == ("cuda:%d" % v["rank"] if torch.cuda.is_available() else "cpu")
+        assert v["device"] == (f"cuda:{v['rank'] % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu")
     assert len({v["pid"] for v in info}) == 8
 
 

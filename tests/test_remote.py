@@ -4,7 +4,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import textwrap
 import threading
 
 import pytest
@@ -150,14 +149,18 @@ def test_unpicklable_function_and_arguments_are_type_errors(mesh8):
     def uses_lock():
         return lock.locked()
 
-    with pytest.raises(TypeError, match=r"cannot send the function of .*uses_lock to the workers: cannot pickle '_thread.lock'"):
+    with pytest.raises(
+        TypeError, match=r"cannot send the function of .*uses_lock to the workers: cannot pickle '_thread.lock'"
+    ):
         uses_lock.on(mesh8)()
 
     @monarch.remote
     def ident(x):
         return x
 
-    with pytest.raises(TypeError, match=r"cannot send the arguments of .*ident to the workers: cannot pickle 'generator'"):
+    with pytest.raises(
+        TypeError, match=r"cannot send the arguments of .*ident to the workers: cannot pickle 'generator'"
+    ):
         ident.on(mesh8)(i for i in range(3))
     with pytest.raises(TypeError, match="on\\(\\) needs a ProcMesh"):
         ident.on("mesh")
@@ -182,7 +185,7 @@ def test_importable_functions_go_by_reference():
     assert _by_reference(monarch.remote(lambda: 1)) is None
 
 
-NOTEBOOK = r'''
+NOTEBOOK = r"""
 import sys
 from IPython.core.interactiveshell import InteractiveShell
 
@@ -198,7 +201,7 @@ for c in cells:
     r = shell.run_cell(c)
     if r.error_in_exec or r.error_before_exec:
         sys.exit(1)
-'''
+"""
 
 
 def test_notebook_defined_code_shows_source_lines(tmp_path):

@@ -17,7 +17,9 @@ from conftest import REPO
 
 
 def test_import_monarch_is_light():
-    code = "import sys, monarch, monarch.actor; print(sorted(m for m in ('torch', 'zmq', 'IPython') if m in sys.modules))"
+    code = (
+        "import sys, monarch, monarch.actor; print(sorted(m for m in ('torch', 'zmq', 'IPython') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.stdout.strip() == "[]", out.stderr
 
