@@ -1,0 +1,161 @@
+"""Side-by-side runtime benchmarks: monarch vs ipyparallel (and torchmonarch when given).
+
+    ./run bench                 # installs ipyparallel if missing, measures both, prints ratios
+    TORCHMONARCH_PYTHON=/path/to/venv/bin/python ./run bench   # adds Meta's Monarch (own venv:
+                                # its import name is also `monarch`)
+
+Each figure comes from fresh processes in this run; ratios are peer / monarch (higher is better).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+
+N = 8
+ROUND_TRIPS = 500
+
+MONARCH = textwrap.dedent(
+    """
+    import json, statistics, time
+    t0 = time.perf_counter()
+    from monarch.actor import this_host
+    import monarch
+    mesh = this_host().spawn_procs({"gpu": N})
+    cold = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    mesh2 = this_host().spawn_procs({"gpu": N})
+    second = time.perf_counter() - t0
+    mesh2.exit()
+
+    @monarch.remote
+    def noop():
+        return None
+
+    f = noop.on(mesh)
+    for _ in range(50):
+        f()
+    ts = []
+    for _ in range(ROUND_TRIPS):
+        t0 = time.perf_counter(); f(); ts.append(time.perf_counter() - t0)
+    mesh.exit()
+    print(json.dumps({"cold": cold, "second": second, "rtt": statistics.median(ts)}))
+    """
+)
+
+IPYPARALLEL = textwrap.dedent(
+    """
+    import json, statistics, time, logging
+    import ipyparallel as ipp
+    logging.disable(logging.WARNING)
+
+    def start():
+        t0 = time.perf_counter()
+        cluster = ipp.Cluster(n=N, log_level=logging.ERROR)
+        rc = cluster.start_and_connect_sync()
+        rc.wait_for_engines(N, timeout=120)
+        rc[:].execute("import torch", block=True)
+        return cluster, rc, time.perf_counter() - t0
+
+    c1, rc, cold = start()
+    c2, rc2, second = start()
+    rc2.close(); c2.stop_cluster_sync()
+    dv = rc[:]
+
+    def noop():
+        return None
+
+    for _ in range(20):
+        dv.apply_sync(noop)
+    ts = []
+    for _ in range(ROUND_TRIPS // 5):
+        t0 = time.perf_counter(); dv.apply_sync(noop); ts.append(time.perf_counter() - t0)
+    rc.close(); c1.stop_cluster_sync()
+    print(json.dumps({"cold": cold, "second": second, "rtt": statistics.median(ts)}))
+    """
+)
+
+TORCHMONARCH = textwrap.dedent(
+    """
+    import json, statistics, time, asyncio
+    t0 = time.perf_counter()
+    from monarch.actor import Actor, endpoint, this_host
+
+    class Noop(Actor):
+        @endpoint
+        def noop(self):
+            return None
+
+    procs = this_host().spawn_procs(per_host={"gpus": N})
+    actors = procs.spawn("noop", Noop)
+    actors.noop.call().get()
+    cold = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    procs2 = this_host().spawn_procs(per_host={"gpus": N})
+    procs2.spawn("noop", Noop).noop.call().get()
+    second = time.perf_counter() - t0
+    for _ in range(20):
+        actors.noop.call().get()
+    ts = []
+    for _ in range(ROUND_TRIPS // 5):
+        t0 = time.perf_counter(); actors.noop.call().get(); ts.append(time.perf_counter() - t0)
+    print(json.dumps({"cold": cold, "second": second, "rtt": statistics.median(ts)}))
+    """
+)
+
+
+def measure(python: str, code: str, env: dict | None = None) -> dict | None:
+    src = f"N = {N}\nROUND_TRIPS = {ROUND_TRIPS}\n" + code
+    r = subprocess.run([python, "-c", src], capture_output=True, text=True, timeout=600, env=env)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode != 0 or not lines:
+        print(f"  ({python}: failed: {r.stderr.strip().splitlines()[-1:] if r.stderr else r.returncode})")
+        return None
+    return json.loads(lines[-1])
+
+
+def ensure_ipyparallel() -> None:
+    try:
+        import ipyparallel  # noqa: F401
+    except ImportError:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "ipyparallel==9.2.0"], check=True)
+
+
+def machine() -> str:
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{platform.node()}: {os.cpu_count()} cores ({cpu}), Linux {platform.release()}, Python {platform.python_version()}"
+
+
+def main() -> None:
+    ensure_ipyparallel()
+    print(f"machine: {machine()}")
+    results = {"monarch": measure(sys.executable, MONARCH), "ipyparallel": measure(sys.executable, IPYPARALLEL)}
+    tm = os.environ.get("TORCHMONARCH_PYTHON")
+    if tm:
+        results["torchmonarch"] = measure(tm, TORCHMONARCH)
+    ours = results["monarch"]
+    assert ours is not None, "monarch benchmark failed"
+    rows = [
+        ("cold spawn of 8 workers to ready (torch imported, group up)", "cold", "s", 1),
+        ("second mesh's spawn (8 workers)", "second", "s", 1),
+        ("no-op call on 8 workers, round trip (median)", "rtt", "ms", 1e3),
+    ]
+    for title, key, unit, scale in rows:
+        parts = [f"monarch {ours[key] * scale:.3g} {unit}"]
+        for peer, res in results.items():
+            if peer != "monarch" and res:
+                parts.append(f"{peer} {res[key] * scale:.3g} {unit} (ratio {res[key] / ours[key]:.1f}x)")
+        print(f"{title}: " + " | ".join(parts))
+
+
+if __name__ == "__main__":
+    main()
