@@ -14,6 +14,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 N = 8
@@ -110,7 +111,10 @@ TORCHMONARCH = textwrap.dedent(
 
 def measure(python: str, code: str, env: dict | None = None) -> dict | None:
     src = f"N = {N}\nROUND_TRIPS = {ROUND_TRIPS}\n" + code
-    r = subprocess.run([python, "-c", src], capture_output=True, text=True, timeout=600, env=env)
+    # run outside the checkout, so that `import monarch` means the installed package of that Python
+    r = subprocess.run(
+        [python, "-c", src], capture_output=True, text=True, timeout=600, env=env, cwd=tempfile.gettempdir()
+    )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
         print(f"  ({python}: failed: {r.stderr.strip().splitlines()[-1:] if r.stderr else r.returncode})")

@@ -124,9 +124,9 @@ class Controller:
     def __init__(self) -> None:
         self.key = os.urandom(32)
         self.zctx = zmq.Context()
-        self.router = self.zctx.socket(zmq.XPUB)
+        self.pub = self.zctx.socket(zmq.XPUB)
         self.pull = self.zctx.socket(zmq.PULL)
-        for s in (self.router, self.pull):
+        for s in (self.pub, self.pull):
             s.setsockopt(zmq.SNDHWM, 0)
             s.setsockopt(zmq.RCVHWM, 0)
             s.setsockopt(zmq.LINGER, 0)
@@ -134,17 +134,17 @@ class Controller:
         transport = os.environ.get("MONARCH_TRANSPORT", "ipc")
         if transport == "ipc":
             self.host = "127.0.0.1"
-            self.router.bind(f"ipc://{self.dir}/cmd")
+            self.pub.bind(f"ipc://{self.dir}/cmd")
             self.pull.bind(f"ipc://{self.dir}/reply")
         elif transport == "tcp":
             self.host = os.environ.get("MONARCH_BIND_ADDR", "127.0.0.1")
-            self.router.bind(f"tcp://{self.host}:0")
+            self.pub.bind(f"tcp://{self.host}:0")
             self.pull.bind(f"tcp://{self.host}:0")
         else:
             raise ValueError(f"MONARCH_TRANSPORT={transport!r}; use 'ipc' or 'tcp'")
-        self.cmd_addr = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.cmd_addr = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.reply_addr = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.router_lock = threading.Lock()
+        self.pub_lock = threading.Lock()
         self.spawn_lock = threading.Lock()
         self.meshes: dict[int, SpawnedMesh] = {}
         self.calls: dict[int, PendingCall] = {}
@@ -220,7 +220,7 @@ class Controller:
         n = len(mesh.procs)
         subscribed: set[int] = set()
         poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.pub, zmq.POLLIN)
         by_fd = {p.sentinel: rank for rank, p in enumerate(mesh.procs)}
         for fd in by_fd:
             poller.register(fd, zmq.POLLIN)
@@ -235,11 +235,11 @@ class Controller:
             if left <= 0:
                 missing = sorted(set(range(n)) - (subscribed & set(mesh.ready)))
                 raise TimeoutError(f"{what}: ranks {missing} not ready after {SPAWN_TIMEOUT:.0f} s")
-            with self.router_lock:
+            with self.pub_lock:
                 events = dict(poller.poll(min(left, 0.005) * 1000))
-                while self.router in events:
+                while self.pub in events:
                     try:
-                        sub = self.router.recv(zmq.NOBLOCK)
+                        sub = self.pub.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     if sub.startswith(prefix) and sub.endswith(b"|"):
@@ -262,14 +262,14 @@ class Controller:
             topics = [b"%d:*" % mesh.mesh_id]  # everyone: one send
         else:
             topics = [b"%d:%d|" % (mesh.mesh_id, r) for r in ranks]
-        pub, more = self.router, _SNDMORE
-        with self.router_lock:
-            for topic in topics:
-                pub.send(topic, more)
-                if len(frames) == 1:
-                    pub.send(frames[0])
+        pub, rest = self.pub, frames[1:]
+        with self.pub_lock:
+            for topic in topics:  # the topic prefixes the first frame: one frame for small messages
+                if rest:
+                    pub.send(topic + frames[0], _SNDMORE)
+                    pub.send_multipart(rest, copy=False)
                 else:
-                    pub.send_multipart(frames, copy=False)
+                    pub.send(topic + frames[0])
 
     def call(self, mesh: SpawnedMesh, ranks: tuple[int, ...], frames_for: Callable[[int], list]) -> PendingCall:
         """Start a call on `ranks`; its future resolves to `{rank: (kind, body, buffers)}`."""
@@ -462,7 +462,7 @@ class Controller:
         self._closed = True
         self._wake()
         self._io.join(2)
-        self.router.close(0)
+        self.pub.close(0)
         self.pull.close(0)
         self.zctx.term()
         shutil.rmtree(self.dir, ignore_errors=True)

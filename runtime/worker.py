@@ -163,8 +163,8 @@ class Worker:
         self.zctx = zmq.Context()
         self.cmd = self.zctx.socket(zmq.SUB)
         self.cmd.setsockopt(zmq.RCVHWM, 0)
-        self.cmd.setsockopt(zmq.SUBSCRIBE, b"%d:*" % cfg.mesh_id)  # to the whole mesh
-        self.cmd.setsockopt(zmq.SUBSCRIBE, b"%d:%d|" % (cfg.mesh_id, cfg.rank))  # to this rank
+        self.cmd.setsockopt(zmq.SUBSCRIBE, b"%d:*" % cfg.mesh_id)  # commands to the whole mesh
+        self.cmd.setsockopt(zmq.SUBSCRIBE, b"%d:%d|" % (cfg.mesh_id, cfg.rank))  # and to this rank
         self.cmd.connect(cfg.cmd_addr)
         self.out = self.zctx.socket(zmq.PUSH)
         self.out.setsockopt(zmq.LINGER, 5000)
@@ -220,10 +220,13 @@ class Worker:
             self._close()
             return
         cmd = self.cmd
+        to_all = b"%d:*" % self.cfg.mesh_id
+        to_me = b"%d:%d|" % (self.cfg.mesh_id, self.cfg.rank)
         while True:
             try:
-                cmd.recv()  # the topic
-                frames = [cmd.recv()]
+                first = cmd.recv()
+                topic = to_all if first.startswith(to_all) else to_me
+                frames = [memoryview(first)[len(topic) :]]
                 while cmd.get(_RCVMORE):
                     frames.append(cmd.recv(copy=False))
                 header, body, buffers = wire.decode(self.key, frames)
