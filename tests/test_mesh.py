@@ -93,3 +93,25 @@ def test_bad_dimension_names_are_explained(mesh8):
         mesh8.slice(gpu=9)
     with pytest.raises(ValueError, match="not divisible by 3"):
         mesh8.split(gpu=("a", "b"), a=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nccl_all_reduce_on_gpus():
+    from monarch.actor import this_host
+
+    n = torch.cuda.device_count()
+    mesh = this_host().spawn_procs({"gpu": n})
+
+    @monarch.remote
+    def nccl_sum():
+        t = torch.ones(4, device="cuda") * dist.get_rank()
+        dist.all_reduce(t)
+        return str(t.device), t[0].item(), dist.get_backend()
+
+    try:
+        res = list(nccl_sum.on(mesh)())
+        assert [d for d, _, _ in res] == [f"cuda:{i}" for i in range(n)]
+        assert {s for _, s, _ in res} == {float(sum(range(n)))}
+    finally:
+        mesh.exit()
