@@ -157,7 +157,7 @@ class Controller:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._rx_lock = threading.Lock()  # held by the one thread that receives
-        self._rx_cv = threading.Condition()
+        self._rx_count_lock = threading.Lock()
         self._rx_waiters = 0  # callers receiving for themselves in wait()
         self._wait_poller = zmq.Poller()  # used only under _rx_lock
         self._wait_poller.register(self.pull, zmq.POLLIN)
@@ -178,7 +178,7 @@ class Controller:
     def spawn(self, sizes: dict[str, int]) -> SpawnedMesh:
         """Start one worker process per point of `sizes` on this host; return when all are ready."""
         shape = Shape.from_sizes(sizes)
-        ctx = _forkserver()  # starts it: it imports torch in parallel with us
+        process_cls = _forkserver()  # starts it: it imports torch in parallel with us
         store_addr = self._store_addr()  # imports torch while the fork server does the same
         from monarch.runtime import spawn_entry
 
@@ -198,7 +198,7 @@ class Controller:
                     cmd_addr=self.cmd_addr, reply_addr=self.reply_addr, key=self.key, store_addr=store_addr,
                     env=wenv, cwd=os.getcwd(), sys_path=list(sys.path), threads=threads, forkserver_pid=fs_pid,
                 )  # fmt: skip
-                p = ctx(target=spawn_entry.run, args=(cfg,), name=f"monarch-{mesh_id}-{rank}")
+                p = process_cls(target=spawn_entry.run, args=(cfg,), name=f"monarch-{mesh_id}-{rank}")
                 p.start()
                 multiprocessing.process._children.discard(p)  # we reap it, via its sentinel
                 mesh.procs.append(p)
@@ -348,7 +348,7 @@ class Controller:
         """
         fut = pending.future
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._rx_cv:
+        with self._rx_count_lock:
             self._rx_waiters += 1
         try:
             while not fut.done():
@@ -363,7 +363,7 @@ class Controller:
                 finally:
                     self._rx_lock.release()
         finally:
-            with self._rx_cv:
+            with self._rx_count_lock:
                 self._rx_waiters -= 1
             self._wake()  # the I/O thread receives again
         return fut.result(0)
