@@ -146,7 +146,7 @@ class ProcMesh:
             if sp.state in ("running", "starting"):
                 out.append("busy" if r in busy else "idle")
             elif sp.state == "failed":
-                out.append("failed" if r in sp.exitcodes and sp.failure and sp.failure.rank == r else "stopped")
+                out.append("failed" if sp.failure is not None and sp.failure.rank == r else "stopped")
             else:
                 out.append("stopped")
         return out
