@@ -47,5 +47,12 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+def load_ipython_extension(ip: Any) -> None:
+    """`%load_ext monarch`: the `%%mesh` and `%mesh` magics in any IPython (the Monarch kernel preloads them)."""
+    from monarch.extension import load_ipython_extension as load
+
+    load(ip)
+
+
 def __dir__() -> list[str]:
     return sorted([*globals(), *__all__])

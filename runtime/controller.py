@@ -8,6 +8,7 @@ process sentinel, so a dead worker is noticed the moment it exits.
 from __future__ import annotations
 
 import atexit
+import collections
 import concurrent.futures
 import datetime
 import itertools
@@ -53,8 +54,35 @@ class OutputEvent:
     label: str
     """The worker's coordinates, e.g. ``"gpu=3"``."""
     stream: str
-    """``"stdout"`` or ``"stderr"``."""
+    """``"stdout"``, ``"stderr"``, or ``"display"`` for a rich display (then `data` holds it)."""
     text: str
+    data: dict | None = None
+    """A display's mime bundle (``{"text/plain": ..., "image/png": ...}``)."""
+    metadata: dict | None = None
+
+
+@dataclass
+class InputRequest:
+    """A worker waiting for a line of input (`input()`, `sys.stdin`, or its pdb prompt)."""
+
+    mesh: SpawnedMesh
+    rank: int
+    label: str
+    call_id: int | None
+    req_id: int
+    prompt: str
+    password: bool
+    debugger: bool
+    """Asked by pdb: the same rank's next prompt is served before other ranks'."""
+
+
+RESUME_COMMANDS = frozenset({"c", "cont", "continue", "q", "quit", "exit"})
+OWNER_GRACE = 1.0
+"""Seconds a debugged rank keeps the prompt after a command, before other paused ranks are served."""
+
+
+def _terminal_input(req: InputRequest) -> str:
+    return input(f"[{req.label}] {req.prompt}")
 
 
 class _LineLabeller:
@@ -64,9 +92,12 @@ class _LineLabeller:
         self.at_line_start: dict[tuple[int, int, str], bool] = {}
 
     def __call__(self, ev: OutputEvent) -> None:
-        out = sys.stdout if ev.stream == "stdout" else sys.stderr
+        out = sys.stdout if ev.stream != "stderr" else sys.stderr
         if out is None:
             return
+        if ev.stream == "display":  # a rich display: its text form
+            text = (ev.data or {}).get("text/plain", "")
+            ev = OutputEvent(ev.call_id, ev.mesh_id, ev.rank, ev.label, "stdout", text + "\n")
         key = (ev.mesh_id, ev.rank, ev.stream)
         prefix = f"[{ev.label}] "
         parts = []
@@ -116,6 +147,10 @@ class PendingCall:
     ranks: tuple[int, ...]
     future: concurrent.futures.Future
     replies: dict[int, tuple[str, list]] = field(default_factory=dict)
+    no_stdin: str | None = None
+    """Why this call cannot be given input (workers asking get an error saying so), or None."""
+    output: Callable[[OutputEvent], None] | None = None
+    """Where this call's output goes, instead of the controller's `output`."""
 
 
 class Controller:
@@ -150,6 +185,14 @@ class Controller:
         self.calls: dict[int, PendingCall] = {}
         self.sentinels: dict[int, tuple[SpawnedMesh, int]] = {}
         self.output: Callable[[OutputEvent], None] = _LineLabeller()
+        """Where worker output and displays go; the notebook extension routes them per cell."""
+        self.stdin: Callable[[InputRequest], str] = _terminal_input
+        """Answers workers' input requests; runs on the thread waiting for the call."""
+        self.stdin_queue: collections.deque[InputRequest] = collections.deque()
+        self._stdin_owner: tuple[int, int] | None = None
+        self._owner_since = 0.0
+        self.listeners: list[Callable[[SpawnedMesh], None]] = []
+        """Called (on any thread) when a mesh's workers change state: busy, idle, failed, stopped."""
         self._ids = itertools.count(1)
         self._mesh_ids = itertools.count(0)
         self._store = None
@@ -212,6 +255,7 @@ class Controller:
             for rank, p in enumerate(mesh.procs):
                 self.sentinels[p.sentinel] = (mesh, rank)
             self._wake()
+        self._changed(mesh)
         return mesh
 
     def _await_ready(self, mesh: SpawnedMesh) -> None:
@@ -271,17 +315,33 @@ class Controller:
                 else:
                     pub.send(topic + frames[0])
 
-    def call(self, mesh: SpawnedMesh, ranks: tuple[int, ...], frames_for: Callable[[int], list]) -> PendingCall:
+    def call(
+        self,
+        mesh: SpawnedMesh,
+        ranks: tuple[int, ...],
+        frames_for: Callable[[int], list],
+        no_stdin: str | None = None,
+        output: Callable[[OutputEvent], None] | None = None,
+    ) -> PendingCall:
         """Start a call on `ranks`; its future resolves to `{rank: (kind, body, buffers)}`."""
         mesh.check_usable()
         call_id = next(self._ids)
-        pending = PendingCall(call_id, mesh, ranks, concurrent.futures.Future())
+        pending = PendingCall(call_id, mesh, ranks, concurrent.futures.Future(), no_stdin=no_stdin, output=output)
         self.calls[call_id] = pending
         if mesh.failure is not None:  # died between the check and the registration
             self._fail(pending, mesh.failure)
         else:
             self.send(mesh, ranks, frames_for(call_id))
+        if self.listeners:
+            self._changed(mesh)
         return pending
+
+    def _changed(self, mesh: SpawnedMesh) -> None:
+        for fn in list(self.listeners):
+            try:
+                fn(mesh)
+            except Exception:
+                traceback.print_exc(file=sys.__stderr__)
 
     def interrupt(self, pending: PendingCall) -> None:
         """Send SIGINT to the workers still busy with `pending`."""
@@ -298,6 +358,66 @@ class Controller:
             pending.future.set_exception(error)
         except concurrent.futures.InvalidStateError:
             pass
+        if self.listeners:
+            self._changed(pending.mesh)
+
+    # -- stdin -------------------------------------------------------------------------------------
+    def _on_input(self, req: InputRequest) -> None:
+        pending = self.calls.get(req.call_id) if req.call_id is not None else None
+        reason = "the call it belongs to is over" if pending is None else pending.no_stdin
+        if reason is not None:
+            self._answer(req, False, f"input() / pdb on rank {req.rank} ({req.label}) has no stdin: {reason}")
+        else:
+            self.stdin_queue.append(req)
+
+    def _answer(self, req: InputRequest, ok: bool, text: str) -> None:
+        if req.mesh.state == "running":
+            self.send(req.mesh, (req.rank,), wire.encode(self.key, ("stdin", req.req_id, ok, text)))
+
+    def _next_request(self) -> InputRequest | None:
+        """The next request to serve: the rank being debugged keeps the prompt for a moment."""
+        queue = self.stdin_queue
+        owner = self._stdin_owner
+        if owner is not None:
+            for req in queue:
+                if (req.mesh.mesh_id, req.rank) == owner:
+                    queue.remove(req)
+                    return req
+            if time.monotonic() - self._owner_since < OWNER_GRACE:
+                return None
+            self._stdin_owner = None
+        return queue.popleft() if queue else None
+
+    def serve_stdin(self) -> bool:
+        """Answer one waiting input request with `self.stdin`; False if none is ready.
+
+        Called by threads waiting for calls. A `KeyboardInterrupt` in the handler propagates (the
+        caller interrupts the workers); other errors go back to the worker as its error.
+        """
+        req = self._next_request()
+        if req is None:
+            return False
+        with self._rx_count_lock:
+            self._rx_waiters -= 1  # let the I/O thread receive (other ranks' output) meanwhile
+        self._wake()
+        try:
+            text = self.stdin(req)
+        except KeyboardInterrupt:
+            self._stdin_owner = None
+            raise
+        except Exception as e:
+            self._stdin_owner = None
+            what = f"input() / pdb on rank {req.rank} ({req.label})"
+            self._answer(req, False, f"{what} got no answer: {type(e).__name__}: {e}")
+            return True
+        finally:
+            with self._rx_count_lock:
+                self._rx_waiters += 1
+        resumed = not req.debugger or text.strip().split(" ")[0] in RESUME_COMMANDS
+        self._stdin_owner = None if resumed else (req.mesh.mesh_id, req.rank)
+        self._owner_since = time.monotonic()
+        self._answer(req, True, text)
+        return True
 
     def _wake(self) -> None:
         try:
@@ -352,6 +472,8 @@ class Controller:
             self._rx_waiters += 1
         try:
             while not fut.done():
+                if self.stdin_queue and self.serve_stdin():
+                    continue
                 left = 0.02 if deadline is None else min(0.02, deadline - time.monotonic())
                 if left <= 0:
                     break
@@ -390,14 +512,28 @@ class Controller:
                     mesh.ready[rank] = data
                 elif mesh is not None:
                     mesh.start_error = (rank, data)
-            elif kind == "out":
-                _, call_id, mesh_id, rank, stream, text = header
+            elif kind == "out" or kind == "display":
+                if kind == "out":
+                    _, call_id, mesh_id, rank, stream, text = header
+                    data = metadata = None
+                else:
+                    _, call_id, mesh_id, rank, data, metadata = header
+                    stream, text = "display", ""
                 mesh = self.meshes.get(mesh_id)
                 label = mesh.labels[rank] if mesh else f"rank={rank}"
+                pending = self.calls.get(call_id) if call_id is not None else None
+                sink = pending.output if pending is not None and pending.output is not None else self.output
                 try:
-                    self.output(OutputEvent(call_id, mesh_id, rank, label, stream, text))
+                    sink(OutputEvent(call_id, mesh_id, rank, label, stream, text, data, metadata))
                 except Exception:
                     traceback.print_exc(file=sys.__stderr__)
+            elif kind == "input":
+                _, call_id, mesh_id, rank, req_id, prompt, password, debugger = header
+                mesh = self.meshes.get(mesh_id)
+                if mesh is not None:
+                    self._on_input(
+                        InputRequest(mesh, rank, mesh.labels[rank], call_id, req_id, prompt, password, debugger)
+                    )
             elif kind in ("result", "error"):
                 _, call_id, _, rank = header
                 pending = self.calls.get(call_id)
@@ -408,6 +544,8 @@ class Controller:
                     self.calls.pop(call_id, None)
                     if not pending.future.done():
                         pending.future.set_result(pending.replies)
+                    if self.listeners:
+                        self._changed(pending.mesh)
 
     def _on_exit(self, mesh: SpawnedMesh, rank: int) -> None:
         code = mesh.procs[rank]._popen.poll()
@@ -424,6 +562,7 @@ class Controller:
         for pending in list(self.calls.values()):
             if pending.mesh is mesh:
                 self._fail(pending, mesh.failure)
+        self._changed(mesh)
         print(f"monarch: {mesh.failure}", file=sys.stderr)
 
     # -- stopping ----------------------------------------------------------------------------------
@@ -452,6 +591,7 @@ class Controller:
                 self._fail(pending, RuntimeError(f"mesh {mesh.shape.describe()} was stopped during the call"))
         mesh.state = "stopped"
         self.meshes.pop(mesh.mesh_id, None)
+        self._changed(mesh)
 
     def shutdown(self) -> None:
         """Stop every mesh and close the sockets (runs at interpreter exit)."""
@@ -514,6 +654,8 @@ _prep_lock = threading.Lock()
 
 _controller: Controller | None = None
 _lock = threading.Lock()
+on_create: list[Callable[[Controller], None]] = []
+"""Called with each new controller (the notebook extension installs its output and stdin here)."""
 
 
 def get_controller() -> Controller:
@@ -522,4 +664,6 @@ def get_controller() -> Controller:
     with _lock:
         if _controller is None:
             _controller = Controller()
+            for fn in on_create:
+                fn(_controller)
         return _controller

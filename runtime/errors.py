@@ -48,15 +48,49 @@ class RemoteError(Exception):
 
     def _text(self) -> str:
         n = sum(len(f.ranks) for f in self.failures)
-        lines = [f"{self.what} failed on {n} of {self.total} ranks"]
-        for f in self.failures:
-            lines.append("")
-            lines.append(f"-- {f.where()}: {f.exc_type}: {f.message}".rstrip())
-            lines.append(f.traceback.rstrip())
-        return "\n".join(lines)
+        return _describe(f"{self.what} failed on {n} of {self.total} ranks", self.failures)
+
+    def _render_traceback_(self) -> list[str]:
+        """IPython shows this instead of the controller-side traceback, which is only our plumbing."""
+        return _render(type(self).__name__, str(self))
 
     def __reduce__(self):
         return type(self), (self.what, self.failures, self.total)
+
+
+class RemoteInterrupt(KeyboardInterrupt):
+    """The user interrupted a call (Ctrl-C, the kernel's Interrupt); says where each rank was.
+
+    A `KeyboardInterrupt`, so code that handles interrupts keeps working.
+    """
+
+    def __init__(self, what: str, failures: list[Failure], busy: list[int], total: int):
+        self.what, self.failures, self.busy, self.total = what, failures, busy, total
+        head = f"{what} interrupted"
+        if busy:
+            head += f"; ranks {format_ranks(busy)} did not stop within the grace period and may still be busy"
+        super().__init__(_describe(head, failures))
+
+    def _render_traceback_(self) -> list[str]:
+        return _render("KeyboardInterrupt", str(self))
+
+    def __reduce__(self):
+        return type(self), (self.what, self.failures, self.busy, self.total)
+
+
+def _describe(head: str, failures: list[Failure]) -> str:
+    lines = [head]
+    for f in failures:
+        lines.append("")
+        lines.append(f"-- {f.where()}: {f.exc_type}: {f.message}".rstrip())
+        lines.append(f.traceback.rstrip())
+    return "\n".join(lines)
+
+
+def _render(name: str, text: str) -> list[str]:
+    red, reset = "\x1b[0;31m", "\x1b[0m"
+    head, _, rest = text.partition("\n")
+    return [f"{red}{name}{reset}: {head}", *rest.splitlines()]
 
 
 class WorkerDiedError(RemoteError):

@@ -169,7 +169,7 @@ class ProcMesh:
                     "memory": _rss(info.get("pid")) if st in ("idle", "busy") else "",
                 }
             )
-        return MeshTable(self._shape.describe(), list(self._shape.names), rows)
+        return MeshTable(self._shape.describe(), list(self._shape.names), rows, self)
 
     def __repr__(self) -> str:
         return f"<ProcMesh {self._shape.describe()}, {self._spawned.state}>"
@@ -178,10 +178,12 @@ class ProcMesh:
 class MeshTable:
     """The rows of `mesh.to_table()`; prints as a text table."""
 
-    def __init__(self, title: str, dims: list[str], rows: list[dict]):
+    def __init__(self, title: str, dims: list[str], rows: list[dict], mesh: ProcMesh | None = None):
         self.title = title
         self.dims = dims
         self.rows = rows
+        self.mesh = mesh
+        """The view it describes (a notebook shows it as a live widget)."""
 
     @property
     def columns(self) -> list[str]:

@@ -15,11 +15,13 @@ from typing import Any, Generic, TypeVar
 import cloudpickle
 
 from monarch.runtime import context, wire
-from monarch.runtime.errors import RemoteError, group_failures
+from monarch.runtime.errors import RemoteError, RemoteInterrupt, group_failures
 from monarch.runtime.mesh import ProcMesh, active_mesh
 from monarch.runtime.shape import Shape
 
 T = TypeVar("T")
+INTERRUPT_GRACE = 0.6
+"""Seconds an interrupted call waits for the workers to say where they were."""
 
 
 class ValueMesh(Generic[T]):
@@ -78,13 +80,33 @@ class Future(Generic[T]):
     def result(self, timeout: float | None = None) -> ValueMesh[T]:
         """Wait for every worker; raise `RemoteError` if any failed. Ctrl-C interrupts the workers."""
         if self._value is None:
+            controller = self._pending.mesh.controller
             try:
-                replies = self._pending.mesh.controller.wait(self._pending, timeout)
+                replies = controller.wait(self._pending, timeout)
             except KeyboardInterrupt:
-                self._pending.mesh.controller.interrupt(self._pending)
-                raise
+                raise self._interrupt() from None
             self._value = self._decode(replies)
         return self._value
+
+    def _interrupt(self) -> RemoteInterrupt:
+        """Interrupt the busy workers and collect, for a moment, where each one was."""
+        pending = self._pending
+        controller = pending.mesh.controller
+        controller.interrupt(pending)
+        try:
+            controller.wait(pending, INTERRUPT_GRACE)
+        except BaseException:
+            pass  # a worker that did not answer in time is reported as busy
+        labels = pending.mesh.labels
+        raw = []
+        for rank, (kind, body, buffers) in list(pending.replies.items()):
+            if kind == "error":
+                try:
+                    raw.append((rank, labels[rank], wire.loads(body, buffers)))
+                except Exception:
+                    pass
+        busy = sorted(set(self._shape.ranks) - set(pending.replies))
+        return RemoteInterrupt(self._name, group_failures(raw), busy, len(self._shape))
 
     get = result
 
@@ -139,6 +161,9 @@ class RemoteFunction:
 
     def call_async(self, *args, **kwargs) -> Future:
         """Start the call on every worker and return at once."""
+        return self._start(args, kwargs)
+
+    def _start(self, args: tuple, kwargs: dict, no_stdin: str | None = None, output=None, name: str = "") -> Future:
         mesh = self._mesh or active_mesh()
         if mesh is None:
             raise RuntimeError(
@@ -163,8 +188,8 @@ class RemoteFunction:
         def frames_for(call_id: int) -> list:
             return wire.encode(controller.key, ("call", call_id, fid, names, sizes, ranks), body)
 
-        pending = controller.call(spawned, ranks, frames_for)
-        return Future(pending, shape, self.__name__)
+        pending = controller.call(spawned, ranks, frames_for, no_stdin, output)
+        return Future(pending, shape, name or self.__name__)
 
     def __repr__(self) -> str:
         return f"<live function {self.__qualname__}>"

@@ -7,8 +7,10 @@ ready in milliseconds. `main` is the process entry point.
 from __future__ import annotations
 
 import codecs
+import collections
 import ctypes
 import datetime
+import itertools
 import linecache
 import math
 import os
@@ -26,11 +28,14 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from monarch.runtime import context, groups, wire
+from monarch.runtime import context, groups, stdin, wire
 from monarch.runtime.shape import Shape
 
 PR_SET_PDEATHSIG = 1
 _RCVMORE = int(zmq.RCVMORE)
+
+current: Worker | None = None
+"""This process's worker (code running on it can send output and ask for input through it)."""
 
 
 @dataclass
@@ -140,6 +145,8 @@ class Output:
 
     def flush(self) -> None:
         """Send everything written so far; called before each reply so output precedes it."""
+        if not self.streams:
+            return
         for f in (sys.stdout, sys.stderr):
             try:
                 f.flush()
@@ -163,15 +170,25 @@ class Worker:
         self.zctx = zmq.Context()
         self.cmd = self.zctx.socket(zmq.SUB)
         self.cmd.setsockopt(zmq.RCVHWM, 0)
-        self.cmd.setsockopt(zmq.SUBSCRIBE, b"%d:*" % cfg.mesh_id)  # commands to the whole mesh
-        self.cmd.setsockopt(zmq.SUBSCRIBE, b"%d:%d|" % (cfg.mesh_id, cfg.rank))  # and to this rank
+        self.to_all = b"%d:*" % cfg.mesh_id
+        self.to_me = b"%d:%d|" % (cfg.mesh_id, cfg.rank)
+        self.cmd.setsockopt(zmq.SUBSCRIBE, self.to_all)  # commands to the whole mesh
+        self.cmd.setsockopt(zmq.SUBSCRIBE, self.to_me)  # and to this rank
         self.cmd.connect(cfg.cmd_addr)
         self.out = self.zctx.socket(zmq.PUSH)
         self.out.setsockopt(zmq.LINGER, 5000)
         self.out.setsockopt(zmq.SNDHWM, 0)
         self.out.connect(cfg.reply_addr)
         self.output = Output(self)
+        self.backlog: collections.deque[tuple] = collections.deque()
+        """Commands that arrived while user code waited for stdin; served next."""
+        self._input_ids = itertools.count(1)
+        self.in_debugger = False
+        """True while a pdb prompt on this worker is reading commands."""
         signal.signal(signal.SIGINT, self._on_sigint)
+        global current
+        current = self
+        stdin.install(self)
 
     def _on_sigint(self, signum, frame) -> None:
         if self.in_user_code:
@@ -219,22 +236,17 @@ class Worker:
             self.send(("failed", self.cfg.mesh_id, self.cfg.rank, traceback.format_exc()))
             self._close()
             return
-        cmd = self.cmd
-        to_all = b"%d:*" % self.cfg.mesh_id
-        to_me = b"%d:%d|" % (self.cfg.mesh_id, self.cfg.rank)
         while True:
-            try:
-                first = cmd.recv()
-                topic = to_all if first.startswith(to_all) else to_me
-                frames = [memoryview(first)[len(topic) :]]
-                while cmd.get(_RCVMORE):
-                    frames.append(cmd.recv(copy=False))
-                header, body, buffers = wire.decode(self.key, frames)
-            except KeyboardInterrupt:
-                continue
-            except wire.BadSignature as e:
-                print(f"monarch worker {self.cfg.rank}: dropped a message: {e}", file=sys.stderr)
-                continue
+            if self.backlog:
+                header, body, buffers = self.backlog.popleft()
+            else:
+                try:
+                    msg = self.receive()
+                except KeyboardInterrupt:
+                    continue
+                if msg is None:
+                    continue
+                header, body, buffers = msg
             kind = header[0]
             if kind == "exit":
                 break
@@ -246,6 +258,52 @@ class Worker:
             except Exception:  # a bug of ours: report it, keep serving
                 traceback.print_exc()
         self._close()
+
+    def receive(self) -> tuple | None:
+        """The next command (header, body, buffers); None for one that failed its signature check."""
+        cmd = self.cmd
+        first = cmd.recv()
+        topic = self.to_all if first.startswith(self.to_all) else self.to_me
+        frames = [memoryview(first)[len(topic) :]]
+        while cmd.get(_RCVMORE):
+            frames.append(cmd.recv(copy=False))
+        try:
+            return wire.decode(self.key, frames)
+        except wire.BadSignature as e:
+            print(f"monarch worker {self.cfg.rank}: dropped a message: {e}", file=sys.stderr)
+            return None
+
+    def request_input(self, prompt: str, password: bool = False) -> str:
+        """Ask the controller for a line of input (pdb, input()); blocks until it answers.
+
+        Commands arriving meanwhile are kept for later, in order. Raises `RuntimeError` when the
+        controller has no stdin to offer (nbclient, a non-blocking call) and `KeyboardInterrupt`
+        when the user interrupted instead of answering.
+        """
+        req = next(self._input_ids)
+        self.output.flush()  # what was printed before the prompt shows before it
+        header = ("input", self.call_id, self.cfg.mesh_id, self.cfg.rank, req, prompt, password, self.in_debugger)
+        self.send(header)
+        while True:
+            msg = self.receive()
+            if msg is None:
+                continue
+            header = msg[0]
+            if header[0] == "stdin" and header[1] == req:
+                _, _, ok, text = header
+                if ok:
+                    return text
+                if text == "interrupted":
+                    raise KeyboardInterrupt
+                raise RuntimeError(text)
+            self.backlog.append(msg)
+            if header[0] == "exit":
+                raise RuntimeError("the mesh is stopping; no input will come")
+
+    def send_display(self, data: dict, metadata: dict) -> None:
+        """Send a rich display (a mime bundle) made on this worker, in order with its output."""
+        self.output.flush()
+        self.send(("display", self.call_id, self.cfg.mesh_id, self.cfg.rank, data, metadata))
 
     def _close(self) -> None:
         self.output.flush()
@@ -293,10 +351,26 @@ class Worker:
         self.call_id = None
 
 
+_PLUMBING = {__file__, *(os.path.join(os.path.dirname(__file__), f) for f in ("cells.py", "stdin.py"))}
+"""Our frames at the top of a worker traceback; left out so the user's code comes first."""
+
+
 def _describe(e: BaseException, prefix: str = "") -> tuple[str, str, str]:
-    """(type name, message, traceback) with the worker's own frames left out."""
-    tb = e.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next
-    text = "".join(traceback.format_exception(type(e), e, tb))
-    return (type(e).__qualname__, prefix + str(e), text)
+    """(type name, message, traceback) with our own frames (worker plumbing) left out."""
+    te = traceback.TracebackException.from_exception(e)
+    for t in (te, *_chained(te)):
+        t.stack = traceback.StackSummary.from_list([f for f in t.stack if f.filename not in _PLUMBING])
+    return (type(e).__qualname__, prefix + str(e), "".join(te.format()))
+
+
+def _chained(te: traceback.TracebackException) -> list[traceback.TracebackException]:
+    out, seen = [], set()
+    todo = [te.__cause__, te.__context__]
+    while todo:
+        t = todo.pop()
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        out.append(t)
+        todo += [t.__cause__, t.__context__]
+    return out

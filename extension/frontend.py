@@ -1,0 +1,74 @@
+"""How meshes meet the notebook: rich views of mesh objects, and stdin for workers' pdb prompts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from monarch.runtime.controller import Controller, InputRequest
+
+
+def in_kernel(ip: Any) -> bool:
+    """True inside a Jupyter kernel (widgets can render); False in terminal IPython."""
+    return getattr(ip, "kernel", None) is not None
+
+
+def register_formatters(ip: Any) -> None:
+    """ValueMesh, MeshTable and ProcMesh display as widgets (with static HTML inside)."""
+    fmt = ip.display_formatter.mimebundle_formatter
+    fmt.for_type_by_name("monarch.runtime.remote", "ValueMesh", _value_mesh_bundle)
+    fmt.for_type_by_name("monarch.runtime.mesh", "MeshTable", _mesh_table_bundle)
+
+
+def _value_mesh_bundle(values) -> dict:
+    from monarch.widgets.value_mesh import ValueMeshView
+
+    return ValueMeshView(values)._repr_mimebundle_()
+
+
+def _mesh_table_bundle(table) -> dict | None:
+    from monarch.widgets.mesh_table import MeshTableWidget
+
+    mesh = getattr(table, "mesh", None)
+    if mesh is None:
+        return None
+    return MeshTableWidget(mesh)._repr_mimebundle_()
+
+
+class NotebookStdin:
+    """Serves workers' input requests from the notebook's stdin, one rank at a time.
+
+    A DebuggerView in the cell shows which rank holds the prompt and which others wait.
+    """
+
+    def __init__(self, controller: Controller, widgets: bool) -> None:
+        self.controller = controller
+        self.widgets = widgets
+        self.view = None
+
+    def __call__(self, req: InputRequest) -> str:
+        if self.widgets and req.debugger:
+            self._show(req)
+        prompt = f"[{req.label}] {req.prompt}"
+        if req.password:
+            import getpass
+
+            return getpass.getpass(prompt)
+        return input(prompt)
+
+    def _show(self, req: InputRequest) -> None:
+        from IPython.display import display
+
+        from monarch.widgets.debugger import DebuggerView
+
+        waiting = [r.label for r in list(self.controller.stdin_queue) if r is not req]
+        if self.view is None:
+            self.view = DebuggerView(active=req.label, paused=waiting, where=req.prompt)
+            display(self.view)
+        else:
+            self.view.active, self.view.paused, self.view.where = req.label, waiting, req.prompt
+
+    def cell_done(self) -> None:
+        """The cell ended: no rank is paused any more; the next breakpoint gets a new view."""
+        if self.view is not None:
+            self.view.active, self.view.paused, self.view.where = "", [], ""
+            self.view = None

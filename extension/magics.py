@@ -1,0 +1,282 @@
+"""`%%mesh` (run a cell on every worker of a mesh) and `%mesh` (status, shutdown, restart, pull, push).
+
+    %%mesh gpu=8                      start (or reuse) a local mesh of 8 workers; run the cell on each
+    %%mesh host=2 gpu=4               a two-dimensional mesh
+    %%mesh mesh                       run on a ProcMesh variable (any view of a spawned mesh)
+    %%mesh gpu=8 --on gpu=0:4         run on part of the mesh (an index or a start:stop range)
+    %%mesh gpu=8 --noblock            return at once; output keeps arriving in the cell
+    %%mesh gpu=8 --group arrival      output in arrival order, each line labelled (default: by rank)
+    %%mesh gpu=8 --save run           keep the run's handle in `run` (run.result(), run.mesh)
+
+A shape different from the current implicit mesh's stops that mesh and starts a new one (the
+workers' namespaces start empty); the cell says so. Meshes given by name are never replaced.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+
+from monarch.extension.cell import ArrivalLines, CellRun, RankAreas
+from monarch.extension.frontend import NotebookStdin, in_kernel, register_formatters
+
+_DIM = re.compile(r"^([A-Za-z_]\w*)=(.+)$")
+_NAME = re.compile(r"^[A-Za-z_][\w.]*$")
+_USAGE = "usage: %%mesh [DIM=SIZE ... | MESH_VARIABLE] [--on DIM=INDEX|START:STOP ...] [--noblock] [--group rank|arrival] [--save NAME]"
+_LINE_USAGE = (
+    "usage: %mesh [status | shutdown [--all] | restart | pull NAME ... | push NAME ...] [--mesh MESH_VARIABLE]"
+)
+
+
+@magics_class
+class MeshMagics(Magics):
+    def __init__(self, shell) -> None:
+        super().__init__(shell)
+        self.implicit = None
+        """The mesh `%%mesh DIM=SIZE` cells run on (started on first use)."""
+        self.current = None
+        """The view the last `%%mesh` cell ran on; `%mesh` commands act on it."""
+        self.widgets = in_kernel(shell)
+        self.stdin: NotebookStdin | None = None
+
+    # -- %%mesh ------------------------------------------------------------------------------------
+    @cell_magic
+    def mesh(self, line: str, cell: str | None = None) -> Any:
+        if cell is None:
+            return self._line(line)
+        opts = _parse_cell_args(line)
+        view = self._target(opts)
+        self.current = view
+        blocking = not opts["noblock"]
+        if opts["group"] == "rank" and self.widgets:
+            from monarch.widgets.rank_output import RankOutput
+
+            output = RankAreas(RankOutput)
+        else:
+            output = ArrivalLines()
+        from monarch.runtime import cells
+        from monarch.runtime.remote import RemoteFunction
+
+        filename = f"<mesh cell {self.shell.execution_count}>"
+        fn = RemoteFunction(cells.run_cell, view)
+        no_stdin = None if blocking else "the cell runs with --noblock, so nothing waits to answer"
+        if not blocking and isinstance(output, RankAreas):
+            output.show_now()  # in this cell, before it returns
+        future = fn._start((cell, filename), {}, no_stdin=no_stdin, output=output, name="%%mesh cell")
+        run = CellRun(future, output, view, blocking)
+        if opts["save"]:
+            self.shell.user_ns[opts["save"]] = run
+        if not blocking:
+            return None if opts["save"] else run
+        try:
+            values = run.result()
+        finally:
+            if self.stdin is not None:
+                self.stdin.cell_done()
+        if all(v is None for v in values):
+            return None
+        return values
+
+    def _target(self, opts: dict) -> Any:
+        from monarch.runtime.mesh import ProcMesh
+
+        if opts["name"]:
+            try:
+                view = eval(opts["name"], self.shell.user_ns)
+            except Exception as e:
+                raise UsageError(f"%%mesh {opts['name']}: {type(e).__name__}: {e}") from None
+            if not isinstance(view, ProcMesh):
+                raise UsageError(
+                    f"%%mesh {opts['name']}: that is a {type(view).__name__}, not a mesh; "
+                    "give a ProcMesh (from this_host().spawn_procs) or a shape like gpu=4"
+                )
+        elif opts["sizes"]:
+            view = self._implicit(opts["sizes"])
+        elif self.implicit is not None and self.implicit._spawned.state == "running":
+            view = self.implicit
+        else:
+            raise UsageError("%%mesh needs a shape (e.g. %%mesh gpu=4) or a mesh variable\n" + _USAGE)
+        if opts["on"]:
+            try:
+                view = view.slice(**opts["on"])
+            except (ValueError, TypeError) as e:
+                raise UsageError(f"%%mesh --on: {e}") from None
+        return view
+
+    def _implicit(self, sizes: dict[str, int]) -> Any:
+        from monarch.actor import this_host
+
+        old = self.implicit
+        if old is not None and old._spawned.state == "running" and old.sizes == sizes:
+            return old
+        if old is not None and old._spawned.state == "running":
+            print(
+                f"monarch: stopping mesh {_describe(old.sizes)} to start {_describe(sizes)} (its namespaces are lost)"
+            )
+            old.exit()
+        self._ensure_controller()
+        try:
+            self.implicit = this_host().spawn_procs(sizes)
+        except ValueError as e:
+            raise UsageError(f"%%mesh: {e}") from None
+        return self.implicit
+
+    def _ensure_controller(self) -> None:
+        from monarch.runtime.controller import get_controller
+
+        get_controller()  # runs on_create, which installs our stdin
+
+    # -- %mesh -------------------------------------------------------------------------------------
+    @line_magic("mesh")
+    def mesh_line(self, line: str) -> Any:
+        return self._line(line)
+
+    def _line(self, line: str) -> Any:
+        args = shlex.split(line)
+        target = None
+        if "--mesh" in args:
+            i = args.index("--mesh")
+            if i + 1 >= len(args):
+                raise UsageError("%mesh --mesh needs a mesh variable\n" + _LINE_USAGE)
+            target = self._target({"name": args[i + 1], "sizes": None, "on": None})
+            del args[i : i + 2]
+        cmd, rest = (args[0], args[1:]) if args else ("status", [])
+        view = target or self.current or self.implicit
+        if cmd == "shutdown" and rest == ["--all"]:
+            from monarch.runtime.controller import _controller
+
+            if _controller is not None:
+                for spawned in list(_controller.meshes.values()):
+                    _controller.stop(spawned)
+            self.implicit = self.current = None
+            return None
+        if cmd not in ("status", "shutdown", "restart", "pull", "push"):
+            raise UsageError(f"%mesh: unknown command {cmd!r}\n" + _LINE_USAGE)
+        if view is None:
+            raise UsageError(f"%mesh {cmd}: no mesh yet; run a %%mesh cell first (e.g. %%mesh gpu=4)")
+        if cmd == "status":
+            return view.to_table()
+        if cmd == "shutdown":
+            view.exit()
+            if self.implicit is not None and self.implicit._spawned is view._spawned:
+                self.implicit = None
+            self.current = None
+            return None
+        if cmd == "restart":
+            fresh = view.respawn()
+            if self.implicit is not None and self.implicit._spawned is view._spawned:
+                self.implicit = fresh
+            self.current = fresh
+            return fresh.to_table()
+        if not rest:
+            raise UsageError(f"%mesh {cmd} needs at least one variable name\n" + _LINE_USAGE)
+        from monarch.runtime import cells
+        from monarch.runtime.remote import RemoteFunction
+
+        if cmd == "pull":
+            out = None
+            for name in rest:
+                out = RemoteFunction(cells.pull, view)(name)
+                self.shell.user_ns[name] = out
+            return out if len(rest) == 1 else None
+        missing = [n for n in rest if n not in self.shell.user_ns]
+        if missing:
+            raise UsageError(f"%mesh push: {', '.join(missing)} not defined in this notebook")
+        RemoteFunction(cells.push, view)({n: self.shell.user_ns[n] for n in rest})
+        return None
+
+
+def _describe(sizes: dict[str, int]) -> str:
+    return "{" + ", ".join(f"{k}: {v}" for k, v in sizes.items()) + "}"
+
+
+def _parse_cell_args(line: str) -> dict:
+    try:
+        args = shlex.split(line)
+    except ValueError as e:
+        raise UsageError(f"%%mesh: {e}\n{_USAGE}") from None
+    opts: dict[str, Any] = {"sizes": {}, "name": None, "on": {}, "noblock": False, "group": "rank", "save": None}
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a in ("--on", "--group", "--save", "--group-outputs"):
+            if i + 1 >= len(args):
+                raise UsageError(f"%%mesh {a} needs a value\n{_USAGE}")
+            value = args[i + 1]
+            i += 2
+            if a == "--on":
+                dim, index = _parse_on(value)
+                opts["on"][dim] = index
+            elif a == "--save":
+                if not value.isidentifier():
+                    raise UsageError(f"%%mesh --save {value!r}: not a valid variable name")
+                opts["save"] = value
+            else:
+                if value not in ("rank", "arrival"):
+                    raise UsageError(f"%%mesh --group {value!r}: use 'rank' (one area per rank) or 'arrival'")
+                opts["group"] = value
+            continue
+        i += 1
+        if a == "--noblock":
+            opts["noblock"] = True
+        elif a == "--block":
+            opts["noblock"] = False
+        elif a.startswith("-"):
+            raise UsageError(f"%%mesh: unknown option {a!r}\n{_USAGE}")
+        elif m := _DIM.match(a):
+            dim, size = m.groups()
+            if not size.isdigit() or int(size) < 1:
+                raise UsageError(f"%%mesh {a}: the size of dimension {dim!r} must be a positive integer")
+            opts["sizes"][dim] = int(size)
+        elif _NAME.match(a) and opts["name"] is None:
+            opts["name"] = a
+        else:
+            raise UsageError(f"%%mesh: cannot read {a!r}\n{_USAGE}")
+    if opts["sizes"] and opts["name"]:
+        raise UsageError(f"%%mesh: give a shape or a mesh variable ({opts['name']!r}), not both")
+    return opts
+
+
+def _parse_on(text: str) -> tuple[str, int | slice]:
+    m = _DIM.match(text)
+    if not m:
+        raise UsageError(f"%%mesh --on {text!r}: write DIM=INDEX or DIM=START:STOP, e.g. --on gpu=0:4")
+    dim, spec = m.groups()
+    try:
+        if ":" in spec:
+            start, _, stop = spec.partition(":")
+            return dim, slice(int(start) if start else None, int(stop) if stop else None)
+        return dim, int(spec)
+    except ValueError:
+        raise UsageError(f"%%mesh --on {text!r}: {spec!r} is not an index or a START:STOP range") from None
+
+
+_loaded: dict[int, MeshMagics] = {}
+
+
+def load(ip) -> None:
+    """Register the magics and views with `ip`, and route workers' stdin through it."""
+    if id(ip) in _loaded:
+        return
+    magics = MeshMagics(ip)
+    ip.register_magics(magics)
+    _loaded[id(ip)] = magics
+    if magics.widgets:
+        register_formatters(ip)
+    from monarch.runtime import controller as ctl
+
+    def setup(controller) -> None:
+        magics.stdin = NotebookStdin(controller, magics.widgets)
+        controller.stdin = magics.stdin
+
+    ctl.on_create.append(setup)
+    if ctl._controller is not None:
+        setup(ctl._controller)
+
+
+def unload(ip) -> None:
+    _loaded.pop(id(ip), None)

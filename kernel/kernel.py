@@ -1,0 +1,33 @@
+"""The Monarch kernel: IPython with `%%mesh` preloaded and one controller for the kernel's lifetime."""
+
+from __future__ import annotations
+
+import inspect
+
+from ipykernel.ipkernel import IPythonKernel
+
+from monarch.kernel import DISPLAY_NAME
+
+
+class MonarchKernel(IPythonKernel):
+    """ipykernel's IPython kernel plus the monarch extension.
+
+    Workers outlive cell errors and interrupts (the extension forwards interrupts to busy
+    workers); shutdown and restart stop every worker; if this process is killed outright, the
+    workers notice and exit by themselves.
+    """
+
+    implementation = "monarch"
+    banner = f"{DISPLAY_NAME}: %%mesh gpu=N runs a cell on N workers"
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.shell.extension_manager.load_extension("monarch.extension")
+
+    async def do_shutdown(self, restart: bool):
+        from monarch.runtime import controller
+
+        if controller._controller is not None:
+            controller._controller.shutdown()
+        reply = super().do_shutdown(restart)
+        return await reply if inspect.isawaitable(reply) else reply

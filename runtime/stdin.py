@@ -1,0 +1,84 @@
+"""Stdin on workers: `input()`, `sys.stdin` and pdb ask the controller for each line.
+
+The controller answers from its own stdin: the notebook's input box in a kernel, the terminal in
+a script. `breakpoint()` and `pdb.set_trace()` open a pdb whose prompt is served that way, one
+paused rank at a time.
+"""
+
+from __future__ import annotations
+
+import builtins
+import io
+import pdb
+import sys
+from typing import Any
+
+
+class RemoteStdin(io.TextIOBase):
+    """`sys.stdin` on a worker: each `readline()` is one request to the controller."""
+
+    def __init__(self, worker: Any):
+        self._worker = worker
+
+    def readable(self) -> bool:
+        return True
+
+    def readline(self, size: int | None = -1) -> str:  # type: ignore[override]
+        return self._worker.request_input("") + "\n"
+
+    def read(self, size: int | None = -1) -> str:
+        return self.readline()
+
+    def isatty(self) -> bool:
+        return False
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return "utf-8"
+
+
+class WorkerPdb(pdb.Pdb):
+    """pdb for workers: an interrupt while paused ends the debugged code instead of re-prompting."""
+
+    def __init__(self) -> None:
+        super().__init__(nosigint=True)  # the worker's SIGINT handler raises KeyboardInterrupt
+
+    def _cmdloop(self) -> None:
+        from monarch.runtime import worker
+
+        if worker.current is not None:
+            worker.current.in_debugger = True
+        try:
+            self.cmdloop()
+        except KeyboardInterrupt:
+            self.set_quit()  # stop tracing, then let the interrupt end the user's code
+            raise
+        finally:
+            if worker.current is not None:
+                worker.current.in_debugger = False
+
+
+def set_trace(*, header: str | None = None) -> None:
+    """`pdb.set_trace()` on a worker."""
+    debugger = WorkerPdb()
+    if header is not None:
+        debugger.message(header)
+    debugger.set_trace(sys._getframe().f_back)
+
+
+def breakpointhook(*args: Any, **kwargs: Any) -> None:
+    """`breakpoint()` on a worker."""
+    WorkerPdb().set_trace(sys._getframe().f_back)
+
+
+def install(worker: Any) -> None:
+    """Route this worker's stdin, `input()` and pdb through the controller."""
+
+    def remote_input(prompt: object = "") -> str:
+        sys.stdout.flush()
+        return worker.request_input(str(prompt))
+
+    sys.stdin = RemoteStdin(worker)
+    builtins.input = remote_input
+    sys.breakpointhook = breakpointhook
+    pdb.set_trace = set_trace

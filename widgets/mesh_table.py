@@ -1,0 +1,101 @@
+"""MeshTable: which worker is where, and what it is doing, updated live."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import traitlets
+
+from monarch.widgets.base import StaticFallbackWidget
+from monarch.widgets.style import esc, table, text_table
+
+_ESM = r"""
+function draw(model, el) {
+  const cols = model.get("columns"), rows = model.get("rows");
+  const t = document.createElement("table");
+  t.className = "monarch-table monarch-mesh-table";
+  const cap = t.createCaption(); cap.textContent = model.get("title");
+  const hr = t.createTHead().insertRow();
+  for (const c of cols) { const th = document.createElement("th"); th.textContent = c; hr.appendChild(th); }
+  const tb = t.createTBody();
+  for (const row of rows) {
+    const tr = tb.insertRow(); tr.dataset.rank = row.rank;
+    for (const c of cols) {
+      const td = tr.insertCell(); td.textContent = row[c];
+      if (c === "status") td.className = `monarch-status monarch-status-${row[c]}`;
+    }
+  }
+  el.replaceChildren(t);
+}
+export default {
+  render({ model, el }) {
+    draw(model, el);
+    const on = () => draw(model, el);
+    model.on("change:rows", on);
+    return () => model.off("change:rows", on);
+  },
+};
+"""
+
+
+def _cell(col: str, value: object) -> str:
+    if col == "status":
+        return f'<td class="monarch-status monarch-status-{esc(value)}">{esc(value)}</td>'
+    return f"<td>{esc(value)}</td>"
+
+
+def table_html(title: str, columns: list[str], rows: list[dict]) -> str:
+    cells = [[_cell(c, row[c]) for c in columns] for row in rows]
+    attrs = [f'data-rank="{row["rank"]}"' for row in rows]
+    return table(title, columns, cells, "monarch-mesh-table", attrs)
+
+
+class MeshTableWidget(StaticFallbackWidget):
+    """`mesh.to_table()` in a notebook: refreshed when workers become busy, idle or fail."""
+
+    _esm = _ESM
+    title = traitlets.Unicode().tag(sync=True)
+    columns = traitlets.List().tag(sync=True)
+    rows = traitlets.List().tag(sync=True)
+
+    def __init__(self, mesh) -> None:
+        table = mesh.to_table()
+        super().__init__(title=f"ProcMesh {table.title}", columns=table.columns, rows=_plain(table.rows))
+        self._mesh = mesh
+        self._pending = False
+        self._lock = threading.Lock()
+        controller = mesh._spawned.controller
+        ref = weakref.ref(self)
+
+        def listener(spawned) -> None:
+            w = ref()
+            if w is None:
+                controller.listeners.remove(listener)
+            elif spawned is mesh._spawned:
+                w._schedule()
+
+        controller.listeners.append(listener)
+
+    def _schedule(self) -> None:
+        """Coalesce bursts of changes into at most ~10 updates a second."""
+        with self._lock:
+            if self._pending:
+                return
+            self._pending = True
+        threading.Timer(0.1, self.refresh).start()
+
+    def refresh(self) -> None:
+        with self._lock:
+            self._pending = False
+        self.rows = _plain(self._mesh.to_table().rows)
+
+    def static_html(self) -> str:
+        return table_html(self.title, self.columns, self.rows)
+
+    def static_text(self) -> str:
+        return self.title + "\n" + text_table(self.columns, [[str(r[c]) for c in self.columns] for r in self.rows])
+
+
+def _plain(rows: list[dict]) -> list[dict]:
+    return [{k: v if isinstance(v, int | str) else str(v) for k, v in row.items()} for row in rows]

@@ -1,0 +1,54 @@
+"""Static HTML for monarch's views: what nbconvert, GitHub and untrusted notebooks show.
+
+The widgets render the same structure and class names, so a view looks the same live and saved.
+"""
+
+from __future__ import annotations
+
+import html
+
+CSS = """
+.monarch-ranks{display:flex;flex-direction:column;gap:4px;font-family:var(--jp-code-font-family,monospace);font-size:var(--jp-code-font-size,13px)}
+.monarch-rank{display:flex;gap:8px;border-left:3px solid #8a6fd1;padding-left:6px}
+.monarch-rank-label{color:#6a4fb1;white-space:nowrap;min-width:6em;font-weight:600}
+.monarch-rank-body{flex:1;min-width:0}
+.monarch-rank-body pre{margin:0;white-space:pre-wrap;word-break:break-word;background:none;padding:0}
+.monarch-rank-body pre.monarch-stderr{background:#fdd}
+.monarch-table{border-collapse:collapse;font-size:12px}
+.monarch-table th,.monarch-table td{padding:2px 8px;text-align:left;border-bottom:1px solid #ddd;font-family:var(--jp-code-font-family,monospace)}
+.monarch-table caption{text-align:left;font-weight:600;padding:2px 0}
+.monarch-status-idle{color:#2a7d2a}.monarch-status-busy{color:#b36b00}.monarch-status-failed{color:#c00;font-weight:600}
+.monarch-status-stopped{color:#888}
+.monarch-tensor select{margin:2px 0 4px 0}
+.monarch-tensor pre{margin:0}
+.monarch-debugger{border:1px solid #c9b8ef;padding:4px 8px;font-family:var(--jp-code-font-family,monospace)}
+""".strip()
+
+
+def esc(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def page(body: str) -> str:
+    """`body` with the stylesheet, for a static `text/html` output."""
+    return f"<style>{CSS}</style>{body}"
+
+
+def table(caption: str, columns: list[str], rows: list[list[str]], cls: str, row_attrs: list[str] | None = None) -> str:
+    """An HTML table; `row_attrs[i]` is added to row i's ``<tr>``."""
+    head = "".join(f"<th>{esc(c)}</th>" for c in columns)
+    body = []
+    for i, row in enumerate(rows):
+        attrs = f" {row_attrs[i]}" if row_attrs else ""
+        body.append(f"<tr{attrs}>" + "".join(row) + "</tr>")
+    return (
+        f'<table class="monarch-table {cls}"><caption>{esc(caption)}</caption>'
+        f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    )
+
+
+def text_table(columns: list[str], rows: list[list[str]]) -> str:
+    """A plain-text table with aligned columns."""
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
+    line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(columns), line(["-" * w for w in widths]), *map(line, rows)])
