@@ -1,0 +1,222 @@
+"""The Monarch kernel driven through jupyter_client: %%mesh cells, errors, interrupt, pdb, shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+from conftest import wait_gone
+from kernel_client import Kernel, monarch_kernel
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    with monarch_kernel() as k:
+        r = k.run("%%mesh gpu=4\nimport os\nos.getpid()")
+        assert r.status == "ok", r.text()
+        pids = k.worker_pids()
+        yield k
+        k.km.shutdown_kernel(now=False)
+        assert wait_gone(pids, 10) == []
+
+
+def _ranks_in_order(text: str) -> list[str]:
+    return [m.group(1) for m in re.finditer(r"^\[(gpu=\d)\]", text, re.M)]
+
+
+def test_output_per_rank(kernel: Kernel):
+    r = kernel.run("%%mesh\nfor i in range(3):\n    print(f'line {i} of rank {rank}', flush=True)\nrank * 10")
+    assert r.status == "ok", r.text()
+    live = r.custom_items()
+    assert live, "no live output reached the per-rank view"
+    # live chunks carry only new text, each for one rank
+    for it in live:
+        assert it["l"] == f"gpu={it['r']}" and f"of rank {it['r']}" in it["t"]
+    assert sum(it["t"].count("\n") for it in live) == 12
+    # when the cell ends, one static area per rank replaces the live view: grouped, not interleaved
+    (final,) = r.final_outputs()
+    text = final["text/plain"]
+    assert _ranks_in_order(text) == [f"gpu={g}" for g in range(4) for _ in range(3)]
+    for g in range(4):
+        assert f'data-label="gpu={g}"' in final["text/html"]
+        assert f"[gpu={g}] line 2 of rank {g}" in text
+    (result,) = r.of("execute_result")
+    assert "gpu=3        30" in result["content"]["data"]["text/plain"]
+    assert "application/vnd.jupyter.widget-view+json" in result["content"]["data"]
+
+
+def test_namespace_persists_and_predefined_names(kernel: Kernel):
+    assert kernel.run("%%mesh\ny = rank + 1").status == "ok"
+    r = kernel.run("%%mesh\n(y, coords, str(device), mesh_size)")
+    assert r.status == "ok", r.text()
+    out = r.of("execute_result")[0]["content"]["data"]["text/plain"]
+    assert "(3, {'gpu': 2}, 'cpu', 4)" in out
+
+
+def test_errors_grouped_with_ranks(kernel: Kernel):
+    r = kernel.run("%%mesh\ndef f(x):\n    return 1 / x\nf(rank % 2)")
+    assert r.status == "error"
+    (err,) = r.of("error")
+    tb = "\n".join(err["content"]["traceback"])
+    assert "failed on 2 of 4 ranks" in tb
+    assert tb.count("ZeroDivisionError: division by zero") == 2  # header + traceback, once for ranks 0, 2
+    assert "ranks 0, 2" in tb
+    assert "return 1 / x" in tb  # the cell's source line
+    assert kernel.run("%%mesh\nrank").status == "ok"  # workers survived
+
+
+def test_rich_display_labelled_by_rank(kernel: Kernel):
+    r = kernel.run(
+        "%%mesh --on gpu=0:2\nimport matplotlib.pyplot as plt\nplt.plot([0, rank])\n"
+        "from IPython.display import HTML, display\ndisplay(HTML(f'<i>html from {rank}</i>'))\nNone"
+    )
+    assert r.status == "ok", r.text()
+    shown = [(it["l"], sorted(it["d"])) for it in r.custom_items() if it["s"] == "display"]
+    assert ("gpu=0", ["text/html", "text/plain"]) in shown and ("gpu=1", ["text/html", "text/plain"]) in shown
+    assert sum("image/png" in mimes for _, mimes in shown) == 2
+    html = r.final_outputs()[0]["text/html"]
+    assert html.count('<img src="data:image/png;base64,') == 2 and "<i>html from 1</i>" in html
+
+
+def test_group_by_arrival(kernel: Kernel):
+    r = kernel.run("%%mesh --group arrival\nprint('hi', rank)")
+    assert r.status == "ok"
+    streamed = "".join(m["content"]["text"] for m in r.of("stream"))
+    assert sorted(streamed.splitlines()) == [f"[gpu={g}] hi {g}" for g in range(4)]
+
+
+def test_mesh_line_status_pull_push(kernel: Kernel):
+    r = kernel.run("%mesh")
+    data = r.of("execute_result")[0]["content"]["data"]
+    assert "monarch-mesh-table" in data["text/html"] and data["text/plain"].count(" idle ") == 4
+    assert kernel.run("z = 'pushed'\n%mesh push z").status == "ok"
+    assert kernel.run("%%mesh\nz2 = z + str(rank)").status == "ok"
+    assert kernel.run("%mesh pull z2").status == "ok"
+    assert kernel.value("list(z2)") == [f"pushed{g}" for g in range(4)]
+    bad = kernel.run("%mesh pull nope")
+    assert bad.status == "error" and "'nope' is not defined in this worker's namespace" in bad.text()
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("%%mesh gpu=x", "the size of dimension 'gpu' must be a positive integer"),
+        ("%%mesh --on gpu=7", "out of range"),
+        ("%%mesh --on gpu", "write DIM=INDEX or DIM=START:STOP"),
+        ("%%mesh --group sideways", "use 'rank' (one area per rank) or 'arrival'"),
+        ("%%mesh --frobnicate", "unknown option '--frobnicate'"),
+        ("%%mesh not_defined", "NameError"),
+        ("%%mesh os", "not a mesh"),
+        ("%mesh explode", "unknown command 'explode'"),
+    ],
+)
+def test_bad_arguments(kernel: Kernel, line: str, message: str):
+    kernel.run("import os")
+    r = kernel.run(f"{line}\nprint(1)")
+    assert r.status == "error"
+    assert message in r.text()
+
+
+def test_interrupt_stops_busy_workers_and_they_survive(kernel: Kernel):
+    pids = kernel.worker_pids()
+    timer = threading.Timer(1.0, kernel.km.interrupt_kernel)
+    timer.start()
+    t0 = time.monotonic()
+    r = kernel.run("%%mesh\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)")
+    elapsed = time.monotonic() - t0
+    assert r.status == "error"
+    assert elapsed < 2.0, f"interrupt took {elapsed - 1:.2f} s"
+    tb = r.text()
+    assert "KeyboardInterrupt" in tb and "interrupted" in tb and "time.sleep(60)" in tb and "ranks 0-3" in tb
+    assert kernel.worker_pids() == pids
+    assert kernel.run("%%mesh\nrank").status == "ok"
+
+
+def test_pdb_served_one_rank_after_another(kernel: Kernel):
+    prompts: list[str] = []
+    answers = {"gpu=0": iter(["p rank * 100", "c"]), "gpu=1": iter(["p rank * 100", "n", "c"])}
+
+    def stdin_hook(msg):
+        prompt = msg["content"]["prompt"]
+        prompts.append(prompt)
+        kernel.kc.input(next(answers[prompt[1:6]]))
+
+    r = kernel.run(
+        "%%mesh --on gpu=0:2\nv = rank\nbreakpoint()\nv += 1\nprint('resumed', v)",
+        allow_stdin=True,
+        stdin_hook=stdin_hook,
+    )
+    assert r.status == "ok", r.text()
+    assert all(p.endswith("(Pdb) ") for p in prompts)
+    labels = [p[1:6] for p in prompts]
+    # one rank's session is served whole before the other's starts
+    switch = [i for i in range(1, len(labels)) if labels[i] != labels[i - 1]]
+    assert len(switch) == 1 and len(labels) == 5, labels
+    final = r.final_outputs()[0]["text/plain"]
+    assert "[gpu=0] 0" in final and "[gpu=1] 100" in final and "[gpu=1] resumed 2" in final
+    assert "<mesh cell" in final  # pdb shows where it stopped
+    assert any(m["msg_type"] == "comm_open" and "DebuggerView" in json.dumps(m["content"]) for m in r.msgs)
+
+
+def test_pdb_without_stdin_is_an_error_not_a_hang(kernel: Kernel):
+    r = kernel.run("%%mesh --on gpu=0\nbreakpoint()\n1", allow_stdin=False, timeout=30)
+    assert r.status == "error"
+    assert "has no stdin" in r.text() or "does not support input requests" in r.text()
+    assert kernel.run("%%mesh\nrank").status == "ok"
+
+
+def test_new_shape_replaces_the_implicit_mesh():
+    with monarch_kernel() as k:
+        assert k.run("%%mesh gpu=2\nrank").status == "ok"
+        old = k.worker_pids()
+        r = k.run("%%mesh gpu=3\nrank")
+        assert r.status == "ok" and "stopping mesh {gpu: 2} to start {gpu: 3}" in r.text()
+        assert wait_gone(old, 5) == []
+        new = k.worker_pids()
+        assert len(new) == 3
+        k.km.restart_kernel(now=False)  # restart stops every worker
+        assert wait_gone(new, 10) == []
+
+
+def test_kernel_sigkill_leaves_no_worker():
+    with monarch_kernel() as k:
+        assert k.run("%%mesh gpu=2\nrank").status == "ok"
+        pids = k.worker_pids()
+        os.kill(k.pid, signal.SIGKILL)
+        assert wait_gone(pids, 3) == []
+
+
+def test_load_ext_in_a_plain_ipython_kernel():
+    with monarch_kernel("python3") as k:
+        assert k.run("%load_ext monarch").status == "ok"
+        r = k.run("%%mesh gpu=2\nprint('plain', rank)")
+        assert r.status == "ok", r.text()
+        assert "plain 1" in r.text()
+        pids = k.worker_pids()
+        k.km.shutdown_kernel(now=False)
+        assert wait_gone(pids, 10) == []
+
+
+def test_install_writes_absolute_interpreter():
+    with tempfile.TemporaryDirectory() as prefix:
+        out = subprocess.run(
+            [sys.executable, "-m", "monarch.kernel", "install", "--prefix", prefix, "--name", "mk"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        assert "Installed kernelspec mk" in out
+        with open(os.path.join(prefix, "share", "jupyter", "kernels", "mk", "kernel.json")) as f:
+            spec = json.load(f)
+        assert spec["argv"][0] == sys.executable and os.path.isabs(spec["argv"][0])
+        assert spec["display_name"] == "Monarch (PyTorch mesh) [mk]"
