@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+
 from conftest import wait_gone
 from kernel_client import Kernel, monarch_kernel
 
