@@ -221,3 +221,15 @@ def test_install_writes_absolute_interpreter():
             spec = json.load(f)
         assert spec["argv"][0] == sys.executable and os.path.isabs(spec["argv"][0])
         assert spec["display_name"] == "Monarch (PyTorch mesh) [mk]"
+
+
+def test_interrupt_during_a_live_function(kernel: Kernel):
+    setup = "import monarch, time\n@monarch.remote\ndef snooze():\n    time.sleep(60)\nm = get_ipython().run_line_magic('mesh', 'status').mesh"
+    assert kernel.run(setup).status == "ok"
+    timer = threading.Timer(1.0, kernel.km.interrupt_kernel)
+    timer.start()
+    t0 = time.monotonic()
+    r = kernel.run("snooze.on(m)()")
+    assert r.status == "error" and time.monotonic() - t0 < 2.0
+    assert "snooze interrupted" in r.text() and "time.sleep(60)" in r.text()
+    assert kernel.run("%%mesh\nrank").status == "ok"
