@@ -11,10 +11,12 @@ import ast
 import base64
 import bdb
 import builtins
+import io
 import linecache
 import math
 import os
 import sys
+import tokenize
 from typing import Any
 
 from monarch.runtime import context
@@ -96,13 +98,25 @@ def _compile(source: str, filename: str) -> tuple[Any, Any]:
     linecache.cache[filename] = (len(source), None, lines, filename)  # tracebacks and pdb show the cell
     tree = ast.parse(source, filename)
     last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr) and not source.rstrip().endswith(";"):
+    if tree.body and isinstance(tree.body[-1], ast.Expr) and not _ends_with_semicolon(source):
         last = compile(ast.Expression(tree.body.pop().value), filename, "eval")
     body = compile(tree, filename, "exec")
     if len(_compiled) > 256:
         _compiled.clear()
     _compiled[key] = (body, last)
     return body, last
+
+
+def _ends_with_semicolon(source: str) -> bool:
+    """True when the last code token is ``;`` (comments aside): IPython's sign to show no value."""
+    last = None
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.ENDMARKER, tokenize.DEDENT):
+                last = tok.string
+    except (tokenize.TokenError, SyntaxError):
+        return False
+    return last == ";"
 
 
 def _sendable(value: Any) -> Any:

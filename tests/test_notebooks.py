@@ -1,0 +1,232 @@
+"""The tutorial notebooks: committed without outputs, and they run top to bottom on the monarch kernel.
+
+Each notebook is executed with nbclient on the "monarch" kernel in a fresh temporary directory; no cell may
+produce an error, and no process the kernel started (fork server, workers) may outlive it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, wait_gone
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+NOTEBOOKS = sorted(Path(REPO, "notebooks").glob("*.ipynb"))
+
+
+def _read(path: Path):
+    return nbformat.read(str(path), as_version=4)
+
+
+def _code_cells(nb) -> list:
+    return [c for c in nb.cells if c.cell_type == "code"]
+
+
+# -- processes -----------------------------------------------------------------------------------------
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _parents() -> dict[int, int]:
+    """`{pid: parent pid}` for every running process."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                out[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def _descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for pid, ppid in _parents().items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _monarch_procs(marker: str) -> set[int]:
+    """Processes that look like monarch's (kernel, fork server, workers) and mention `marker`.
+
+    The fork server's command line carries the kernel's sys.path, which includes its working directory
+    (the test's own temporary directory), and workers forked from it share that command line; so other
+    tests running at the same time do not count here.
+    """
+    out = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != os.getpid():
+            cmd = _cmdline(int(name))
+            if marker in cmd and ("monarch" in cmd or "multiprocessing.forkserver" in cmd):
+                out.add(int(name))
+    return out
+
+
+# -- tests ---------------------------------------------------------------------------------------------
+def test_notebooks_exist():
+    assert Path(REPO, "notebooks", "getting_started.ipynb") in NOTEBOOKS
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_committed_without_outputs(path):
+    nb = _read(path)
+    nbformat.validate(nb)
+    assert nb.metadata.kernelspec["name"] == "monarch"
+    for i, cell in enumerate(_code_cells(nb)):
+        assert cell.outputs == [], f"{path.name}: code cell {i} has outputs; strip them before committing"
+        assert cell.execution_count is None, f"{path.name}: code cell {i} has an execution count"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs(path, tmp_path):
+    nb = _read(path)
+    before = _monarch_procs(str(tmp_path))
+    seen: set[int] = set()
+    client = None
+
+    def after_cell(**_):
+        # While the kernel runs, note every process under it: the fork server and the workers.
+        pid = client.km.provisioner.pid if client.km.provisioner is not None else None
+        if pid is not None:
+            seen.add(pid)
+            seen.update(_descendants(pid))
+        seen.update(_monarch_procs(str(tmp_path)) - before)
+
+    client = nbclient.NotebookClient(
+        nb,
+        kernel_name="monarch",
+        timeout=120,
+        resources={"metadata": {"path": str(tmp_path)}},
+        on_cell_executed=after_cell,
+    )
+    try:
+        client.execute()
+    finally:
+        errors = [
+            (i, out.ename, out.evalue)
+            for i, cell in enumerate(_code_cells(nb))
+            for out in cell.outputs
+            if out.output_type == "error"
+        ]
+        left = wait_gone(seen | (_monarch_procs(str(tmp_path)) - before), timeout=10)
+        stray = {pid: _cmdline(pid)[:200] for pid in left}
+
+    assert errors == []
+    assert stray == {}, "processes left after the notebook's kernel shut down"
+    assert len(seen) > 1, "no worker processes were seen while the notebook ran"
+    check = OUTPUT_CHECKS.get(path.name)
+    if check is not None:
+        check(nb)
+
+
+# -- what getting_started.ipynb should show -----------------------------------------------------------
+def _cell(nb, first_line: str, contains: str = ""):
+    """The code cell whose source starts with `first_line` (and contains `contains`)."""
+    found = [c for c in _code_cells(nb) if c.source.startswith(first_line) and contains in c.source]
+    assert len(found) == 1, f"expected one cell starting {first_line!r} containing {contains!r}, got {len(found)}"
+    return found[0]
+
+
+def _text(cell, mime: str = "text/plain") -> str:
+    parts = []
+    for out in cell.outputs:
+        if out.output_type == "stream":
+            parts.append(out.text if mime == "text/plain" else "")
+        elif out.output_type in ("display_data", "execute_result"):
+            parts.append(str(out.data.get(mime, "")))
+    return "\n".join(parts)
+
+
+def _result(cell) -> dict:
+    results = [out for out in cell.outputs if out.output_type == "execute_result"]
+    assert len(results) == 1, f"expected one result, got {cell.outputs}"
+    return results[0].data
+
+
+def _check_getting_started(nb) -> None:
+    # %%mesh gpu=4: one labelled area per rank, and a ValueMesh of the last expression.
+    first = _cell(nb, "%%mesh gpu=4")
+    html = _text(first, "text/html")
+    for r in range(4):
+        assert f'data-label="gpu={r}"' in html
+        assert f"[gpu={r}] rank {r} of 4 at {{'gpu': {r}}} on " in _text(first)
+    value = _result(first)
+    assert value["text/plain"].startswith("ValueMesh {gpu: 4}")
+    assert re.findall(r"gpu=(\d)\s+(\d+)", value["text/plain"]) == [("0", "0"), ("1", "10"), ("2", "20"), ("3", "30")]
+    assert 'data-label="gpu=3"' in value["text/html"]
+
+    # State kept across cells: weights was made in the first cell, incremented in the second.
+    state = _cell(nb, "%%mesh\nweights += 1")
+    for r in range(4):
+        assert f"[gpu={r}] weights = {[float(r + 1)] * 3}" in _text(state)
+
+    # all_reduce over the mesh's gloo group: 0 + 1 + 2 + 3.
+    reduce = _cell(nb, "%%mesh\n", "dist.all_reduce")
+    assert _text(reduce).count("all_reduce gives 6.0") == 4
+
+    # --on gpu=0:2 runs on two ranks only.
+    part = _text(_cell(nb, "%%mesh --on gpu=0:2"), "text/html")
+    assert 'data-label="gpu=0"' in part and 'data-label="gpu=1"' in part
+    assert 'data-label="gpu=2"' not in part and 'data-label="gpu=3"' not in part
+
+    # --group arrival: labelled lines as streams, one per rank.
+    arrival = _text(_cell(nb, "%%mesh --group arrival"))
+    assert sorted(re.findall(r"\[gpu=(\d)\] rank \1 done", arrival)) == ["0", "1", "2", "3"]
+
+    # A matplotlib figure (and a Markdown display) from every rank.
+    plots = _cell(nb, "%%mesh\n", "plt.subplots")
+    assert _text(plots, "text/html").count('<img src="data:image/png;base64,') == 4
+    assert not any(out.output_type == "execute_result" for out in plots.outputs)
+
+    # %mesh status: the MeshTable of the implicit mesh.
+    status = _result(_cell(nb, "%mesh status"))
+    assert status["text/plain"].startswith("ProcMesh {gpu: 4}")
+    assert status["text/html"].count('<td class="monarch-status monarch-status-idle">idle</td>') == 4
+
+    # %mesh pull / push.
+    assert "rank 3 has tensor([4., 4., 4.])" in _text(_cell(nb, "%mesh pull weights"))
+    assert _text(_cell(nb, "%%mesh\n", "learning_rate")).count("learning_rate = 0.01") == 4
+
+    # A mesh from spawn_procs, its table, live functions on it and on a slice.
+    table = _result(_cell(nb, "import torch"))
+    assert table["text/plain"].startswith("ProcMesh {host: 2, gpu: 2}")
+    assert "application/vnd.jupyter.widget-view+json" in table
+    live = _cell(nb, "scale = 100")
+    assert re.search(r"host=1,gpu=1\s+101", _text(live))
+    assert re.findall(r"gpu=(\d)\s+(\S+)", _result(live)["text/plain"]) == [("0", "0.5"), ("1", "1.5")]
+
+    # TensorView: one tensor per rank, static HTML with a labelled block each.
+    tensors = _result(_cell(nb, "from monarch.widgets import TensorView"))
+    assert tensors["text/html"].count("data-label=") == 4
+    assert 'data-label="host=1,gpu=1"' in tensors["text/html"]
+    assert "[[11., 12., 13.]" in tensors["text/plain"].replace("\n", "")
+
+    # RemoteError caught: the failing ranks shown once, with the worker's source line.
+    errors = _cell(nb, "@monarch.remote\ndef risky")
+    text = _text(errors)
+    assert "failed ranks: [1, 3]" in text
+    assert "-- ranks 1, 3: ValueError: odd ranks do not like this input" in text
+    assert 'raise ValueError("odd ranks do not like this input")' in text
+    assert re.findall(r"host=(\d)\s+'ok'", _result(errors)["text/plain"]) == ["0", "1"]
+
+
+OUTPUT_CHECKS = {"getting_started.ipynb": _check_getting_started}
