@@ -159,6 +159,10 @@ def main() -> None:
             if peer != "monarch" and res:
                 parts.append(f"{peer} {res[key] * scale:.3g} {unit} (ratio {res[key] / ours[key]:.1f}x)")
         print(f"{title}: " + " | ".join(parts))
+    if "--no-kernel" not in sys.argv:
+        import kernel_cell
+
+        kernel_cell.report(kernel_cell.measure(kernel_cell.N_CELLS), kernel_cell.N_CELLS)
 
 
 if __name__ == "__main__":

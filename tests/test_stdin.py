@@ -1,0 +1,50 @@
+"""Workers' stdin outside a kernel: pdb and input() served by the script's terminal, one rank at a time."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import REPO
+
+SCRIPT = textwrap.dedent(
+    """
+    import monarch
+    from monarch.actor import this_host
+
+    @monarch.remote
+    def debug_me():
+        x = monarch.current_rank()["gpu"] * 7
+        breakpoint()
+        return x
+
+    @monarch.remote
+    def ask():
+        return input("name? ")
+
+    mesh = this_host().spawn_procs({"gpu": 2})
+    print("RESULT", list(debug_me.on(mesh)()), flush=True)
+    print("NAMES", sorted(ask.on(mesh)()), flush=True)
+    mesh.exit()
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_pdb_and_input_use_the_terminal_in_a_script(tmp_path):
+    script = tmp_path / "debug_script.py"
+    script.write_text(SCRIPT)
+    # each rank's pdb session: "p x + 1000", then "c"; then each rank's input(): a name
+    answers = "p x + 1000\nc\np x + 1000\nc\nalice\nbob\n"
+    out = subprocess.run(
+        [sys.executable, str(script)], input=answers, capture_output=True, text=True, cwd=REPO, timeout=50
+    )
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "RESULT [0, 7]" in text and "NAMES ['alice', 'bob']" in text, text
+    # prompts are labelled with the rank, and a rank's pdb session ends before the other's starts
+    order = [line.split("]")[0][1:] for line in text.replace("(Pdb) ", "(Pdb) \n").splitlines() if "(Pdb)" in line]
+    assert len(order) == 4 and order[0] == order[1] and order[2] == order[3] != order[0], text
+    assert "[gpu=0] 1000" in text and "[gpu=1] 1007" in text
+    assert text.count("name? ") == 2

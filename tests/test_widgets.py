@@ -1,0 +1,78 @@
+"""Widgets outside a front-end: live MeshTable status, and the static HTML/text every view carries."""
+
+import time
+
+import pytest
+import torch
+
+import monarch
+from monarch.widgets import DebuggerView, MeshTableWidget, RankLog, TensorView, ValueMeshView
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def _wait_for(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.timeout(60)
+def test_mesh_table_status_follows_the_workers(mesh8):
+    table = MeshTableWidget(mesh8.slice(host=1))
+    assert [r["status"] for r in table.rows] == ["idle"] * 4
+    assert {r["rank"] for r in table.rows} == {4, 5, 6, 7}
+
+    @monarch.remote
+    def nap():
+        time.sleep(1.0 if monarch.current_rank()["gpu"] == 2 else 0)
+
+    fut = nap.on(mesh8).call_async()
+    assert _wait_for(lambda: [r["status"] for r in table.rows] == ["idle", "idle", "busy", "idle"]), table.rows
+    fut.result()
+    assert _wait_for(lambda: [r["status"] for r in table.rows] == ["idle"] * 4), table.rows
+    bundle = table._repr_mimebundle_()
+    assert WIDGET_VIEW in bundle
+    assert bundle["text/html"].count("<tr data-rank=") == 4 and "monarch-status-idle" in bundle["text/html"]
+    lines = bundle["text/plain"].splitlines()  # the slice dropped the host dimension
+    assert lines[0] == "ProcMesh {gpu: 4}" and lines[1].split()[:3] == ["gpu", "rank", "hostname"]
+
+
+def test_value_mesh_and_tensor_views(mesh8):
+    @monarch.remote
+    def value():
+        c = monarch.current_rank()
+        return torch.full((2,), float(10 * c["host"] + c["gpu"]))
+
+    vm = value.on(mesh8)()
+    view = ValueMeshView(vm)
+    b = view._repr_mimebundle_()
+    assert 'data-label="host=1,gpu=3"' in b["text/html"] and "tensor([13., 13.])" in b["text/html"]
+    assert "host=1,gpu=3  tensor([13., 13.])" in b["text/plain"]
+    tv = TensorView(vm, selected=5)
+    assert tv.labels[5] == "host=1,gpu=1" and tv.values[5] == "tensor([11., 11.])"
+    assert tv._repr_mimebundle_()["text/plain"].startswith("tensor on {host: 2, gpu: 4}")
+
+
+def test_rank_log_groups_by_rank_and_escapes():
+    log = RankLog()
+    log.add(1, "gpu=1", "stdout", "b1\n")
+    log.add(0, "gpu=0", "stdout", "a1\n")
+    log.add(1, "gpu=1", "stderr", "<oops>\n")
+    log.add(0, "gpu=0", "display", data={"text/plain": "fig", "image/png": "AAAA"})
+    log.add(0, "gpu=0", "stdout", "a2\n")
+    assert log.text() == "[gpu=0] a1\n[gpu=0] fig\n[gpu=0] a2\n[gpu=1] b1\n[gpu=1] <oops>"
+    html = log.bundle()["text/html"]
+    assert html.index('data-label="gpu=0"') < html.index('data-label="gpu=1"')
+    assert "&lt;oops&gt;" in html and '<img src="data:image/png;base64,AAAA"/>' in html
+    assert '<pre class="monarch-stderr"' in html
+
+
+def test_debugger_view_static_forms():
+    view = DebuggerView(active="gpu=1", paused=["gpu=0", "gpu=3"], where="(Pdb) ")
+    b = view._repr_mimebundle_()
+    assert b["text/plain"] == "pdb: rank gpu=1 has the prompt; waiting: gpu=0, gpu=3"
+    assert "waiting: gpu=0, gpu=3" in b["text/html"]
