@@ -8,6 +8,9 @@ from ipykernel.ipkernel import IPythonKernel
 
 from monarch.kernel import DISPLAY_NAME
 
+HISTORY_BATCH = 20
+"""Cells of input history kept in memory before IPython writes them to its database."""
+
 
 class MonarchKernel(IPythonKernel):
     """ipykernel's IPython kernel plus the monarch extension.
@@ -23,6 +26,11 @@ class MonarchKernel(IPythonKernel):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.shell.extension_manager.load_extension("monarch.extension")
+        history = self.shell.history_manager
+        if history is not None and history.db_cache_size == 0:
+            # Write input history in batches (and at shutdown), not once per cell: on a small
+            # machine the per-cell SQLite write competes with the workers for the cores.
+            history.db_cache_size = HISTORY_BATCH
 
     async def do_shutdown(self, restart: bool):
         from monarch.runtime import controller
