@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from typing import Any
 
 from monarch.runtime.controller import OutputEvent, _LineLabeller
 from monarch.runtime.remote import Future, ValueMesh
+
+
+STARTUP_GRACE = 0.3
+"""Seconds a new live view gets to load in the browser before it is sent new text directly; what
+arrives meanwhile is batched, so nothing is sent to a view that is not listening yet."""
 
 
 class RankAreas:
@@ -21,32 +27,56 @@ class RankAreas:
         self._widget = None
         self._display_id = uuid.uuid4().hex
         self._lock = threading.Lock()
+        self._created = 0.0
+        self._held: list[dict] = []
         self.finished = False
 
     def show_now(self) -> None:
         """Display the (empty) live view at once: for a cell that returns before its output comes."""
         with self._lock:
-            self._ensure_widget()
+            self._ensure_widget([])
 
-    def _ensure_widget(self) -> None:
-        if self._widget is None:
-            from IPython.display import display
+    def _ensure_widget(self, initial: list[dict]) -> bool:
+        if self._widget is not None:
+            return False
+        from IPython.display import display
 
-            self._widget = self._factory(self.log)
-            display(self._widget, display_id=self._display_id)
+        self._widget = self._factory(self.log, initial)
+        self._created = time.monotonic()
+        display(self._widget, display_id=self._display_id)
+        return True
 
     def __call__(self, ev: OutputEvent) -> None:
         with self._lock:
             item = self.log.add(ev.rank, ev.label, ev.stream, ev.text, ev.data)
-            if self.finished:
+            if self.finished or self._ensure_widget([item]):
                 return
-            self._ensure_widget()
+            if time.monotonic() - self._created < STARTUP_GRACE:
+                if not self._held:
+                    timer = threading.Timer(STARTUP_GRACE, self._release)
+                    timer.daemon = True
+                    timer.start()
+                self._held.append(item)
+                return
+            self._release_locked()
             self._widget.append([item])
+
+    def _release(self) -> None:
+        with self._lock:
+            self._release_locked()
+
+    def _release_locked(self) -> None:
+        if self._held and self._widget is not None:
+            self._widget.append(self._held)
+        self._held = []
 
     def finish(self, replace: bool = True) -> None:
         """Swap the live view for static HTML (saved with the notebook; renders anywhere)."""
         with self._lock:
+            if not replace:
+                self._release_locked()
             self.finished = True
+            self._held = []
             widget, self._widget = self._widget, None
         if widget is None:
             return

@@ -23,8 +23,10 @@ class Result:
         return [m for m in self.msgs if m["msg_type"] in types]
 
     def custom_items(self) -> list[dict]:
-        """Live per-rank chunks sent to RankOutput widgets."""
+        """Live per-rank chunks sent to RankOutput widgets (with the widget, then as messages)."""
         out = []
+        for m in self.of("comm_open"):
+            out += m["content"]["data"]["state"].get("initial", [])
         for m in self.of("comm_msg"):
             data = m["content"]["data"]
             if data.get("method") == "custom" and "items" in data.get("content", {}):

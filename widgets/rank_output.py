@@ -33,6 +33,7 @@ function bundle(d) {
 export default {
   initialize({ model }) {
     const st = state(model);
+    if (!st.log.length) st.log.push(...model.get("initial"));
     const on = (m) => { st.log.push(...m.items); for (const v of st.views) v(m.items); };
     model.on("msg:custom", on);
     return () => model.off("msg:custom", on);
@@ -145,9 +146,11 @@ class RankOutput(StaticFallbackWidget):
 
     _esm = _ESM
     uid = traitlets.Unicode().tag(sync=True)
+    initial = traitlets.List().tag(sync=True)
+    """What was written before the widget existed (sent once, with the widget)."""
 
-    def __init__(self, record: RankLog | None = None) -> None:
-        super().__init__(uid=uuid.uuid4().hex)
+    def __init__(self, record: RankLog | None = None, initial: list[dict] | None = None) -> None:
+        super().__init__(uid=uuid.uuid4().hex, initial=initial or [])
         self.record = record if record is not None else RankLog()
 
     def append(self, items: list[dict]) -> None:
