@@ -10,7 +10,6 @@ from typing import Any
 from monarch.runtime.controller import OutputEvent, _LineLabeller
 from monarch.runtime.remote import Future, ValueMesh
 
-
 STARTUP_GRACE = 0.3
 """Seconds a new live view gets to load in the browser before it is sent new text directly; what
 arrives meanwhile is batched, so nothing is sent to a view that is not listening yet."""
