@@ -235,3 +235,18 @@ def test_interrupt_during_a_live_function(kernel: Kernel):
     assert r.status == "error" and time.monotonic() - t0 < 2.0
     assert "snooze interrupted" in r.text() and "time.sleep(60)" in r.text()
     assert kernel.run("%%mesh\nrank").status == "ok"
+
+
+def test_interrupt_at_a_pdb_prompt(kernel: Kernel):
+    prompts = []
+
+    def stdin_hook(msg):  # instead of answering, the user presses Interrupt
+        prompts.append(msg["content"]["prompt"])
+        kernel.km.interrupt_kernel()
+
+    t0 = time.monotonic()
+    r = kernel.run("%%mesh --on gpu=1\nbreakpoint()\nx = 1", allow_stdin=True, stdin_hook=stdin_hook, timeout=30)
+    assert r.status == "error" and time.monotonic() - t0 < 5
+    assert prompts and prompts[0].startswith("[gpu=1] (Pdb)")
+    assert "KeyboardInterrupt" in r.text()
+    assert kernel.run("%%mesh\nrank").status == "ok"  # the worker left pdb and serves the next cell
