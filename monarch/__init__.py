@@ -18,6 +18,10 @@ __all__ = [
     "ProcMesh",
     "current_rank",
     "current_size",
+    "Tensor",
+    "inspect",
+    "show",
+    "fetch_shard",
 ]
 
 _EXPORTS = {
@@ -29,6 +33,10 @@ _EXPORTS = {
     "ProcMesh": "monarch.runtime.mesh",
     "current_rank": "monarch.runtime.context",
     "current_size": "monarch.runtime.context",
+    "Tensor": "monarch.runtime.tensor",
+    "inspect": "monarch.runtime.tensor",
+    "fetch_shard": "monarch.runtime.tensor",
+    "show": "monarch.extension.show",
 }
 
 if TYPE_CHECKING:

@@ -114,13 +114,21 @@ class ProcMesh:
 
     @contextlib.contextmanager
     def activate(self) -> Iterator[ProcMesh]:
-        """Make this the mesh that live functions run on when called without `.on(mesh)`."""
+        """Run torch ops on every worker of this view, and make it the mesh live functions run on.
+
+        Inside, torch ops on the controller become commands for the workers and return
+        `monarch.Tensor` handles; outside, torch is untouched.
+        """
         self._check()
+        from monarch.runtime import tensor
+
         token = _active.set(self)
         try:
-            yield self
+            with tensor.activate(self):
+                yield self
         finally:
             _active.reset(token)
+            tensor.flush(self)
 
     def exit(self) -> None:
         """Stop the workers (of the whole spawned mesh, which all views share). Idempotent."""

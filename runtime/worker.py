@@ -206,6 +206,7 @@ class Worker:
     def _start(self) -> None:
         cfg = self.cfg
         torch.set_num_threads(cfg.threads)
+        torch.seed()  # forked workers share the fork server's RNG state; give each its own, as a fresh process has
         if torch.cuda.is_available():
             device = torch.device("cuda", cfg.local_rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
@@ -255,6 +256,10 @@ class Worker:
                     self._call(header, body, buffers)
                 elif kind == "groups":
                     groups.create(header[1], self.cfg.rank, header[2])
+                elif kind == "ops":
+                    from monarch.runtime import tensor_worker
+
+                    tensor_worker.run(wire.loads(body, buffers))
             except Exception:  # a bug of ours: report it, keep serving
                 traceback.print_exc()
         self._close()

@@ -1,0 +1,379 @@
+"""The tensor engine on the controller: `with mesh.activate():` turns torch ops into commands.
+
+Each op computes its result's metadata locally (fake tensors, no data) and appends one command to
+the mesh's batch; batches go out without waiting for anything (when full, when a value is fetched,
+when `activate()` exits). The results are `monarch.Tensor` handles: a torch.Tensor subclass holding
+a reference id, the mesh view and the fake tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import sys
+import threading
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from monarch.runtime import wire
+from monarch.runtime.tensor_worker import Ref
+
+BATCH = 256
+"""Commands kept before a batch is sent on its own."""
+_HERE = os.path.dirname(__file__)
+_TORCH = os.path.dirname(torch.__file__)
+
+
+class Engine:
+    """The controller's side of one spawned mesh: ids, the command batch, freed ids."""
+
+    def __init__(self, spawned) -> None:
+        self.spawned = spawned
+        self.ids = itertools.count(1)
+        self.batches: dict[tuple[int, ...], list] = {}
+        self.dead: list[int] = []
+        self.lock = threading.RLock()
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        # A shape error is raised to the user at the op; torch would also log it with a traceback.
+        logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
+        self.cpu_only = all(info.get("device", "cpu").startswith("cpu") for info in spawned.info)
+        self.warned_cuda = False
+
+    def push(self, ranks: tuple[int, ...], cmd: tuple) -> None:
+        with self.lock:
+            batch = self.batches.setdefault(ranks, [])
+            batch.append(cmd)
+            if len(batch) >= BATCH:
+                self._send(ranks)
+
+    def flush(self) -> None:
+        """Send every pending command now."""
+        with self.lock:
+            for ranks in list(self.batches):
+                self._send(ranks)
+
+    def _send(self, ranks: tuple[int, ...]) -> None:
+        batch = self.batches.pop(ranks, [])
+        if self.dead:
+            batch.append(("del", self.dead))
+            self.dead = []
+        if not batch or self.spawned.state != "running":
+            return
+        everyone = tuple(range(len(self.spawned.procs)))
+        controller = self.spawned.controller
+        with torch.utils._python_dispatch._disable_current_modes():
+            frames = wire.encode(controller.key, ("ops",), wire.dumps(batch))
+        controller.send(self.spawned, ranks if ranks != everyone else everyone, frames)
+
+    def free(self, ref: int) -> None:
+        self.dead.append(ref)  # sent with the next batch
+
+
+def _engine(spawned) -> Engine:
+    engine = getattr(spawned, "engine", None)
+    if engine is None:
+        engine = spawned.engine = Engine(spawned)
+    return engine
+
+
+class Tensor(torch.Tensor):
+    """A tensor that lives on every worker of a mesh; the controller holds only its metadata.
+
+    Use `monarch.inspect(t, **coords)` for a value; `t.reduce(dims, "sum")` for collectives.
+    """
+
+    _ref: int
+    _mesh: Any
+    _fake: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, fake: torch.Tensor, ref: int, mesh: Any):
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, fake.shape, strides=fake.stride(), dtype=fake.dtype, device=fake.device,
+            requires_grad=fake.requires_grad,
+        )  # fmt: skip
+        r._fake, r._ref, r._mesh = fake, ref, mesh
+        r._engine_ref = weakref.ref(_engine(mesh._spawned))
+        return r
+
+    @property
+    def mesh(self) -> Any:
+        return self._mesh
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"monarch.Tensor(shape={tuple(self.shape)}, dtype={self.dtype}, mesh={self._mesh._shape.describe()})"
+
+    def __del__(self) -> None:
+        engine = self._engine_ref() if hasattr(self, "_engine_ref") else None
+        if engine is not None:
+            engine.free(self._ref)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        mesh = _mesh_of(args, kwargs)
+        return _run(mesh, func, args, kwargs or {})
+
+    def reduce(self, dims: str | tuple[str, ...], reduction: str = "sum", scatter: bool = False) -> Tensor:
+        """A collective over mesh dimension(s) `dims` of this tensor's mesh: the result on every worker.
+
+        `reduction` is sum, avg, max, min, product or stack (a new leading dimension: all-gather);
+        `scatter=True` makes sum a reduce-scatter and stack an all-to-all.
+        """
+        return _reduce(self, dims, reduction, scatter)
+
+    def reduce_(self, dims: str | tuple[str, ...], reduction: str = "sum", scatter: bool = False) -> Tensor:
+        """In-place `reduce`: this handle now refers to the result."""
+        out = _reduce(self, dims, reduction, scatter)
+        engine = _engine(self._mesh._spawned)
+        engine.free(self._ref)
+        self._ref, out._ref = out._ref, -1
+        return self
+
+
+_rejected = threading.local()
+_BINARY = [
+    f"__{p}{n}__"
+    for n in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor")
+    for p in ("", "r", "i")
+] + ["__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__"]
+
+
+def _reject(message: str) -> TypeError:
+    """A TypeError for illegal use; remembered, because torch turns TypeErrors in operators into NotImplemented."""
+    err = TypeError(message)
+    _rejected.err = err
+    return err
+
+
+def _strict(name: str):
+    base = getattr(torch.Tensor, name)
+
+    def method(self, *args):
+        _rejected.err = None
+        out = base(self, *args)
+        if out is NotImplemented and _rejected.err is not None:
+            raise _rejected.err
+        return out
+
+    method.__name__ = name
+    return method
+
+
+for _name in _BINARY:
+    if hasattr(torch.Tensor, _name):
+        setattr(Tensor, _name, _strict(_name))
+
+
+class _Capture(TorchDispatchMode):
+    """While active, every torch op runs on the workers of `mesh` and returns handles."""
+
+    def __init__(self, mesh) -> None:
+        super().__init__()
+        self.mesh = mesh
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, Tensor) for t in types):
+            other = _mesh_of(args, kwargs)
+            if other is not None and other._spawned is not self.mesh._spawned:
+                raise _reject(
+                    f"{func}: a tensor on mesh {other._shape.describe()} used inside "
+                    f"{self.mesh._shape.describe()}.activate(); a tensor is used only on the mesh that made it "
+                    "(move it with t.to_mesh(mesh))"
+                )
+        return _run(self.mesh, func, args, kwargs or {})
+
+
+def _mesh_of(args, kwargs) -> Any:
+    found = None
+
+    def look(x):
+        nonlocal found
+        if isinstance(x, Tensor) and found is None:
+            found = x._mesh
+        return x
+
+    tree_map(look, (args, kwargs))
+    return found
+
+
+def _where() -> str:
+    """The user's line that issued an op: the first frame outside torch and monarch."""
+    f = sys._getframe(2)
+    while f is not None and (f.f_code.co_filename.startswith((_HERE, _TORCH)) or "contextlib" in f.f_code.co_filename):
+        f = f.f_back
+    if f is None:
+        return "?"
+    return f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}"
+
+
+def _run(mesh, func, args: tuple, kwargs: dict) -> Any:
+    if mesh is None:
+        raise _reject(f"{func}: no mesh; ops on monarch tensors run inside `with mesh.activate():`")
+    spawned = mesh._spawned
+    spawned.check_usable()
+    engine = _engine(spawned)
+    local: list[torch.Tensor] = []
+
+    def to_fake(x):
+        if isinstance(x, Tensor):
+            if x._mesh._spawned is not spawned:
+                raise _reject(
+                    f"{func}: tensors from different meshes ({x._mesh._shape.describe()} and {mesh._shape.describe()})"
+                )
+            return x._fake
+        if isinstance(x, torch.Tensor):
+            local.append(x)
+            return engine.fake.from_tensor(x)
+        return x
+
+    def to_wire(x):
+        if isinstance(x, Tensor):
+            return Ref(x._ref)
+        return x
+
+    fake_args, fake_kwargs = tree_map(to_fake, (args, kwargs))
+    with engine.fake:
+        fake_out = func(*fake_args, **fake_kwargs)
+    ids: list = []
+
+    def wrap(x):
+        if isinstance(x, torch.Tensor):
+            ref = next(engine.ids)
+            ids.append(ref)
+            return Tensor(x, ref, mesh)
+        return x
+
+    out = tree_map(wrap, fake_out)
+    out_ids = _ids_like(out)
+    wire_args, wire_kwargs = tree_map(to_wire, (args, kwargs))
+    engine.push(mesh._shape.ranks, ("op", func.name(), wire_args, wire_kwargs, out_ids, _where()))
+    return out
+
+
+def _ids_like(out: Any) -> Any:
+    if isinstance(out, Tensor):
+        return out._ref
+    if isinstance(out, list | tuple):
+        return [_ids_like(o) for o in out]
+    return None
+
+
+def _reduce(t: Tensor, dims, reduction: str, scatter: bool) -> Tensor:
+    allowed = ("sum", "avg", "max", "min", "product", "stack")
+    if reduction not in allowed:
+        raise ValueError(f"reduce: unknown reduction {reduction!r}; use one of {', '.join(allowed)}")
+    if not isinstance(t, Tensor):
+        raise TypeError(f"reduce: needs a monarch.Tensor (made inside mesh.activate()), got {type(t).__name__}")
+    mesh = t._mesh
+    dims_t = (dims,) if isinstance(dims, str) else tuple(dims)
+    for d in dims_t:
+        if d not in mesh.names:
+            raise ValueError(
+                f"reduce: mesh {mesh._shape.describe()} has no dimension {d!r}; it has {', '.join(mesh.names)}"
+            )
+    size = 1
+    for d in dims_t:
+        size *= mesh.size(d)
+    group = mesh.process_group(dims_t)
+    shape = tuple(t.shape)
+    if reduction == "stack":
+        out_shape = (size, *shape) if not scatter else (size, *shape[1:])
+    else:
+        if scatter and (not shape or shape[0] % size):
+            raise ValueError(
+                f"reduce: scatter over {size} ranks needs a leading dimension divisible by {size}, got {shape}"
+            )
+        out_shape = (shape[0] // size, *shape[1:]) if scatter else shape
+    engine = _engine(mesh._spawned)
+    with torch.utils._python_dispatch._disable_current_modes(), engine.fake:
+        fake = torch.empty(out_shape, dtype=t.dtype, device=t.device)
+    ref = next(engine.ids)
+    out = Tensor(fake, ref, mesh)
+    engine.push(
+        mesh._shape.ranks, ("reduce", t._ref, ref, group.gid, size, reduction, scatter, shape, t.dtype, _where())
+    )
+    return out
+
+
+class _Devices(TorchFunctionMode):
+    """On a mesh without CUDA, `device="cuda"` (explicit or the default device) means the CPU.
+
+    Runs before torch parses the arguments, which would otherwise try to initialize CUDA here.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self.engine = engine
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dev = kwargs.get("device")
+        if dev is None and func in _constructors() and torch.get_default_device().type == "cuda":
+            dev = "cuda"
+        if dev is not None and torch.device(dev).type == "cuda":
+            if not self.engine.warned_cuda:
+                self.engine.warned_cuda = True
+                warnings.warn(
+                    "the mesh's workers have no CUDA: tensors requested on 'cuda' are made on the CPU", stacklevel=2
+                )
+            kwargs = dict(kwargs, device="cpu")
+        return func(*args, **kwargs)
+
+
+def _constructors():
+    from torch.utils._device import _device_constructors
+
+    return _device_constructors()
+
+
+@contextlib.contextmanager
+def activate(mesh):
+    """The capture modes for `mesh` (entered by `mesh.activate()`)."""
+    engine = _engine(mesh._spawned)
+    with contextlib.ExitStack() as stack:
+        if engine.cpu_only:
+            stack.enter_context(_Devices(engine))
+        stack.enter_context(_Capture(mesh))
+        yield
+
+
+def flush(mesh) -> None:
+    engine = getattr(mesh._spawned, "engine", None)
+    if engine is not None:
+        engine.flush()
+
+
+def _rank_for(t: Tensor, coords: dict[str, int]) -> Any:
+    view = t._mesh
+    if coords:
+        view = view.slice(**coords)
+    return view.slice(**{d: 0 for d in view.names}) if view.names else view
+
+
+def fetch_shard(t: Tensor, **coords: int):
+    """A future for the value of `t` on the worker at `coords` (default: the first)."""
+    from monarch.runtime import tensor_worker
+    from monarch.runtime.remote import RemoteFunction
+
+    if not isinstance(t, Tensor):
+        raise TypeError(f"fetch_shard: needs a monarch.Tensor, got {type(t).__name__}")
+    flush(t._mesh)
+    target = _rank_for(t, coords)
+    with torch.utils._python_dispatch._disable_current_modes():
+        return RemoteFunction(tensor_worker.fetch, target)._start((t._ref,), {}, name="fetching a tensor")
+
+
+def inspect(t: Tensor, **coords: int) -> torch.Tensor:
+    """The value of `t` on the worker at `coords` (default: the first), as a local tensor."""
+    fut = fetch_shard(t, **coords)
+    with torch.utils._python_dispatch._disable_current_modes():
+        return next(iter(fut.result()))

@@ -1,0 +1,177 @@
+"""The tensor engine on a worker: a table from reference ids to tensors, and the ops that fill it.
+
+Ops arrive in batches (`run`), in order; nothing is sent back unless the controller asks for a value
+(`fetch`). An op that fails stores a `Poison` for its results, and every op that uses a poisoned
+value is poisoned in turn, so the worker keeps serving and independent values stay fetchable.
+"""
+
+from __future__ import annotations
+
+import traceback
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from monarch.runtime import context, groups
+
+_table: dict[int, Any] = {}
+_ops: dict[str, Any] = {}
+_warned_cuda = False
+
+
+@dataclass
+class Poison:
+    """Stands for a value whose computation failed (here or in an op it depends on)."""
+
+    exc_type: str
+    message: str
+    traceback: str
+    issued_at: str
+    """The controller line that issued the failing op."""
+
+
+class Ref:
+    """A reference to a tensor in the worker's table (pickles as its id)."""
+
+    __slots__ = ("id",)
+
+    def __init__(self, id: int):
+        self.id = id
+
+    def __reduce__(self):
+        return Ref, (self.id,)
+
+
+class PoisonedValueError(RuntimeError):
+    """Raised when a fetched value depends on an op that failed on this worker."""
+
+
+def _op(name: str):
+    fn = _ops.get(name)
+    if fn is None:
+        ns, _, rest = name.partition("::")
+        base, _, overload = rest.partition(".")
+        packet = getattr(getattr(torch.ops, ns), base)
+        fn = _ops[name] = getattr(packet, overload or "default")
+    return fn
+
+
+def _device(value: Any) -> Any:
+    """`cuda` on a worker without CUDA: the CPU, with one warning."""
+    global _warned_cuda
+    dev = torch.device(value) if isinstance(value, str | torch.device) else value
+    if isinstance(dev, torch.device) and dev.type == "cuda":
+        w = context.worker
+        if not torch.cuda.is_available():
+            if not _warned_cuda:
+                _warned_cuda = True
+                warnings.warn("no CUDA on this worker: tensors requested on 'cuda' are made on the CPU", stacklevel=2)
+            return torch.device("cpu")
+        if dev.index is None and w is not None:
+            return w.device
+    return dev
+
+
+def _resolve(obj: Any, poisons: list) -> Any:
+    if isinstance(obj, Ref):
+        v = _table.get(obj.id)
+        if isinstance(v, Poison):
+            poisons.append(v)
+        elif v is None:
+            poisons.append(Poison("KeyError", f"tensor {obj.id} was freed or never made here", "", "?"))
+        return v
+    if isinstance(obj, list | tuple):
+        return type(obj)(_resolve(o, poisons) for o in obj)
+    if isinstance(obj, dict):
+        return {k: (_device(v) if k == "device" else _resolve(v, poisons)) for k, v in obj.items()}
+    return obj
+
+
+def _store(ids: Any, value: Any) -> None:
+    if isinstance(ids, list | tuple):
+        for i, v in zip(ids, value if isinstance(value, list | tuple) else [value] * len(ids)):
+            _store(i, v)
+    elif ids is not None:
+        _table[ids] = value
+
+
+def run(batch: list[tuple]) -> None:
+    """Execute a batch of commands from the controller, in order."""
+    for cmd in batch:
+        kind = cmd[0]
+        if kind == "op":
+            _, name, args, kwargs, out, where = cmd
+            _run_op(name, args, kwargs, out, where)
+        elif kind == "reduce":
+            _reduce(*cmd[1:])
+        elif kind == "del":
+            for i in cmd[1]:
+                _table.pop(i, None)
+
+
+def _run_op(name: str, args: tuple, kwargs: dict, out: Any, where: str) -> None:
+    poisons: list[Poison] = []
+    a = _resolve(args, poisons)
+    k = _resolve(kwargs, poisons)
+    if poisons:
+        _store(out, poisons[0])
+        return
+    try:
+        value = _op(name)(*a, **k)
+    except Exception as e:
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None))
+        _store(out, Poison(type(e).__qualname__, str(e), tb, where))
+        return
+    _store(out, value)
+
+
+_REDUCE_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
+
+
+def _reduce(src: int, out: int, gid: int, size: int, reduction: str, scatter: bool, shape: tuple, dtype, where) -> None:
+    """A collective over the group `gid`; a poisoned input still takes part (with zeros)."""
+    v = _table.get(src)
+    poison = v if isinstance(v, Poison) else None
+    w = context.worker
+    device = w.device if w is not None else torch.device("cpu")
+    t = torch.zeros(shape, dtype=dtype, device=device) if poison is not None or v is None else v.detach().clone()
+    group = groups._groups[gid]
+    try:
+        if reduction == "stack":
+            parts = [torch.empty_like(t) for _ in range(size)]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            result = torch.stack(parts)
+            if scatter:  # all-to-all: rank i keeps the i-th slice of everyone's
+                me = dist.get_rank(group)
+                result = result[:, me] if result.dim() > 1 else result
+        else:
+            dist.all_reduce(t, op=getattr(dist.ReduceOp, _REDUCE_OPS[reduction]), group=group)
+            result = t / size if reduction == "avg" else t
+            if scatter:
+                me = dist.get_rank(group)
+                result = result.chunk(size)[me].clone()
+    except Exception as e:
+        _table[out] = Poison(type(e).__qualname__, str(e), traceback.format_exc(), where)
+        return
+    _table[out] = poison if poison is not None else result
+
+
+def fetch(ref_id: int) -> torch.Tensor:
+    """This worker's value of a tensor (called by reference from `monarch.inspect`)."""
+    v = _table.get(ref_id)
+    if isinstance(v, Poison):
+        raise PoisonedValueError(
+            f"this value depends on an op that failed on this worker: {v.exc_type}: {v.message}\n"
+            f"the failing op was issued at {v.issued_at}\n\nworker traceback:\n{v.traceback}"
+        )
+    if v is None:
+        raise KeyError(f"tensor {ref_id} is not on this worker (freed, or made on another mesh)")
+    return v.detach().cpu() if isinstance(v, torch.Tensor) else v
+
+
+def table_size() -> int:
+    """How many values this worker holds (for tests of lifetime)."""
+    return len(_table)

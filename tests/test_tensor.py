@@ -1,0 +1,186 @@
+"""The tensor engine: ops captured inside mesh.activate() run on the workers; values, collectives, failures."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import monarch
+from monarch.runtime import tensor_worker
+from monarch.runtime.remote import RemoteFunction
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    from monarch.actor import this_host
+
+    m = this_host().spawn_procs({"host": 2, "gpu": 2})
+    yield m
+    m.exit()
+
+
+def _all(t, mesh):
+    """Every rank's value, in rank order."""
+    return [monarch.inspect(t, **c) for c, _ in mesh._shape.points()]
+
+
+def test_ops_run_on_workers_and_match_local_torch(mesh):
+    local = torch.rand(3, 4)
+    assert type(local) is torch.Tensor
+    with mesh.activate():
+        a = torch.arange(12.0).reshape(3, 4)
+        b = (a @ a.T + 1).relu_().sum(dim=1)
+        c = a[1:, ::2] * local[1:, ::2]  # a local tensor travels with the op
+        d = torch.cat([a, a]).view(2, 3, 4).mean()
+    assert isinstance(b, monarch.Tensor) and b.shape == (3,) and "mesh={host: 2, gpu: 2}" in repr(b)
+    ref = torch.arange(12.0).reshape(3, 4)
+    for rank_value in _all(b, mesh):
+        assert torch.equal(rank_value, (ref @ ref.T + 1).relu_().sum(dim=1))
+    assert torch.equal(monarch.inspect(c, host=1, gpu=1), ref[1:, ::2] * local[1:, ::2])
+    assert monarch.inspect(d).item() == pytest.approx(ref.mean().item())
+    assert type(torch.ones(2) + 1) is torch.Tensor  # outside activate(), torch is untouched
+
+
+def test_random_values_differ_per_rank(mesh):
+    with mesh.activate():
+        t = torch.rand(4)
+    values = _all(t, mesh)
+    assert len({tuple(v.tolist()) for v in values}) == 4
+
+
+@pytest.mark.parametrize("reduction", ["sum", "avg", "max", "min", "product", "stack"])
+@pytest.mark.parametrize("dims", ["gpu", "host", ("host", "gpu")])
+def test_reduce_matches_local(mesh, reduction, dims):
+    with mesh.activate():
+        t = torch.rand(4, 3) + 0.5
+        r = t.reduce(dims, reduction)
+    values = _all(t, mesh)
+    dims_t = (dims,) if isinstance(dims, str) else dims
+    for coords, _ in mesh._shape.points():
+        group = [
+            values[r2]
+            for c2, r2 in mesh._shape.points()
+            if all(c2[d] == coords[d] for d in mesh.names if d not in dims_t)
+        ]
+        stacked = torch.stack(group)
+        expected = {
+            "sum": stacked.sum(0), "avg": stacked.mean(0), "max": stacked.amax(0), "min": stacked.amin(0),
+            "product": stacked.prod(0), "stack": stacked,
+        }[reduction]  # fmt: skip
+        assert torch.allclose(monarch.inspect(r, **coords), expected, rtol=1e-5), (coords, reduction)
+
+
+def test_reduce_scatter_all_to_all_and_in_place(mesh):
+    with mesh.activate():
+        t = torch.rand(2, 3)
+        rs = t.reduce("gpu", "sum", scatter=True)
+        a2a = t.reduce("gpu", "stack", scatter=True)
+        inplace = t * 1
+        same = inplace.reduce_("gpu", "sum")
+    assert same is inplace
+    v = {(c["host"], c["gpu"]): monarch.inspect(t, **c) for c, _ in mesh._shape.points()}
+    for h in range(2):
+        total = v[(h, 0)] + v[(h, 1)]
+        for g in range(2):
+            assert torch.allclose(monarch.inspect(rs, host=h, gpu=g), total[g : g + 1])
+            assert torch.allclose(monarch.inspect(a2a, host=h, gpu=g), torch.stack([v[(h, 0)][g], v[(h, 1)][g]]))
+            assert torch.allclose(monarch.inspect(inplace, host=h, gpu=g), total)
+
+
+def test_reduce_on_a_slice_and_a_renamed_view(mesh):
+    half = mesh.slice(host=1).rename(gpu="tp")
+    with half.activate():
+        t = torch.rand(3)
+        r = t.reduce("tp", "sum")
+    x0, x1 = monarch.inspect(t, tp=0), monarch.inspect(t, tp=1)
+    assert torch.allclose(monarch.inspect(r, tp=1), x0 + x1)
+
+
+def test_model_forward_and_backward_on_a_2x2_mesh(mesh):
+    with mesh.activate():
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        x = torch.rand(5, 4)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        (gb,) = torch.autograd.grad(model(x).sum(), [model[2].bias])
+    local = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    coords = {"host": 1, "gpu": 0}
+    with torch.no_grad():
+        for p_local, p_remote in zip(local.parameters(), model.parameters()):
+            p_local.copy_(monarch.inspect(p_remote, **coords))
+    xl = monarch.inspect(x, **coords)
+    ll = local(xl).pow(2).mean()
+    ll.backward()
+    assert torch.allclose(monarch.inspect(loss, **coords), ll)
+    for p_local, p_remote in zip(local.parameters(), model.parameters()):
+        assert torch.allclose(monarch.inspect(p_remote.grad, **coords), p_local.grad, atol=1e-6)
+    assert monarch.inspect(gb, **coords).item() == pytest.approx(5.0)
+
+
+def test_failed_op_poisons_only_dependents(mesh):
+    with mesh.activate():
+        ok = torch.ones(3, 4) * 2
+        big = torch.rand(4, 1024 * 1024 * 1024 * 1024 * 8)  # far too big: fails on every worker
+        bad = ok @ big
+        worse = bad + 1
+        also_ok = ok + 1
+        summed = worse.reduce("gpu", "sum")  # a poisoned input still takes part: no rank hangs
+    with pytest.raises(monarch.RemoteError) as info:
+        monarch.inspect(worse, host=1, gpu=1)
+    text = str(info.value)
+    assert "can't allocate memory" in text and "test_tensor.py" in text and "big = torch.rand(4," in _line(text)
+    with pytest.raises(monarch.RemoteError):
+        monarch.inspect(summed)
+    assert torch.equal(monarch.inspect(also_ok), torch.full((3, 4), 3.0))  # independent values stay fetchable
+    with mesh.activate():
+        after = (ok * 5).reduce("host", "sum")
+    assert torch.equal(monarch.inspect(after), torch.full((3, 4), 20.0))  # workers alive, collectives work
+
+
+def _line(text: str) -> str:
+    """The source line the error names as the op's origin."""
+    import linecache
+
+    where = text.split("the failing op was issued at ", 1)[1].split("\n", 1)[0]
+    path, rest = where.rsplit(":", 1)
+    return linecache.getline(path, int(rest.split(" ", 1)[0]))
+
+
+def test_cross_mesh_use_is_a_type_error(mesh):
+    from monarch.actor import this_host
+
+    other = this_host().spawn_procs({"gpu": 2})
+    try:
+        with mesh.activate():
+            t = torch.ones(2)
+        with other.activate():
+            with pytest.raises(TypeError, match=r"a tensor on mesh \{host: 2, gpu: 2\} used inside \{gpu: 2\}"):
+                t + 1
+        # outside activate(), ops on a handle still run on its own mesh (autograd's backward may run there)
+        assert torch.equal(monarch.inspect(t + 1), torch.full((2,), 2.0))
+    finally:
+        other.exit()
+
+
+def test_freed_handles_are_deleted_on_workers(mesh):
+    size = RemoteFunction(tensor_worker.table_size, mesh)
+    with mesh.activate():
+        w = torch.zeros(16)
+    monarch.inspect(w)
+    before = max(size())
+    for _ in range(1000):
+        with mesh.activate():
+            w = (w + torch.ones(16)) * 0.5
+    assert monarch.inspect(w).shape == (16,)
+    after = max(size())
+    assert after - before < 10, (before, after)
+
+
+def test_cuda_request_on_a_cpu_mesh_warns_once(mesh):
+    with pytest.warns(UserWarning, match="no CUDA") as record:
+        with mesh.activate():
+            a = torch.rand(2, device="cuda")
+            b = torch.zeros(2, device="cuda")
+    assert len([w for w in record if "no CUDA" in str(w.message)]) <= 1
+    assert monarch.inspect(a + b).device.type == "cpu"
