@@ -22,6 +22,7 @@ __all__ = [
     "inspect",
     "show",
     "fetch_shard",
+    "grad_generator",
 ]
 
 _EXPORTS = {
@@ -36,6 +37,7 @@ _EXPORTS = {
     "Tensor": "monarch.runtime.tensor",
     "inspect": "monarch.runtime.tensor",
     "fetch_shard": "monarch.runtime.tensor",
+    "grad_generator": "monarch.runtime.tensor",
     "show": "monarch.extension.show",
 }
 

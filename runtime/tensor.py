@@ -50,6 +50,8 @@ class Engine:
 
     def push(self, ranks: tuple[int, ...], cmd: tuple) -> None:
         with self.lock:
+            if ranks not in self.batches and self.batches:
+                self.flush()  # another set of workers: keep one global order of commands
             batch = self.batches.setdefault(ranks, [])
             batch.append(cmd)
             if len(batch) >= BATCH:
@@ -240,9 +242,10 @@ def _run(mesh, func, args: tuple, kwargs: dict) -> Any:
             return Ref(x._ref)
         return x
 
-    fake_args, fake_kwargs = tree_map(to_fake, (args, kwargs))
-    with engine.fake:
-        fake_out = func(*fake_args, **fake_kwargs)
+    with engine.lock:  # one thread at a time computes metadata (grad_generator runs backward in another)
+        fake_args, fake_kwargs = tree_map(to_fake, (args, kwargs))
+        with engine.fake:
+            fake_out = func(*fake_args, **fake_kwargs)
     ids: list = []
 
     def wrap(x):
@@ -294,14 +297,90 @@ def _reduce(t: Tensor, dims, reduction: str, scatter: bool) -> Tensor:
             )
         out_shape = (shape[0] // size, *shape[1:]) if scatter else shape
     engine = _engine(mesh._spawned)
-    with torch.utils._python_dispatch._disable_current_modes(), engine.fake:
-        fake = torch.empty(out_shape, dtype=t.dtype, device=t.device)
-    ref = next(engine.ids)
-    out = Tensor(fake, ref, mesh)
-    engine.push(
-        mesh._shape.ranks, ("reduce", t._ref, ref, group.gid, size, reduction, scatter, shape, t.dtype, _where())
-    )
+    out = _new(engine, mesh, out_shape, t.dtype, t.device)
+    cmd = ("reduce", t._ref, out._ref, group.gid, size, reduction, scatter, shape, t.dtype, _where())
+    engine.push(mesh._shape.ranks, cmd)
     return out
+
+
+def _new(engine: Engine, mesh, shape: tuple, dtype, device) -> Tensor:
+    with engine.lock, torch.utils._python_dispatch._disable_current_modes(), engine.fake:
+        fake = torch.empty(shape, dtype=dtype, device=device)
+    return Tensor(fake, next(engine.ids), mesh)
+
+
+def to_mesh(t: Tensor, dst) -> Tensor:
+    """`t` moved worker to worker onto `dst`, a view of the same spawned mesh with the same shape.
+
+    Pairs workers by position (rank i of t's view sends to rank i of `dst`); pipelined like any op.
+    """
+    if not isinstance(t, Tensor):
+        raise TypeError(f"to_mesh: needs a monarch.Tensor, got {type(t).__name__}")
+    src = t._mesh
+    if dst._spawned is not src._spawned:
+        raise TypeError(
+            f"to_mesh: {dst._shape.describe()} is another spawned mesh; tensors move only between views "
+            f"(slices, renames) of the mesh that made them, here {src._shape.describe()}"
+        )
+    if tuple(dst._shape.sizes) != tuple(src._shape.sizes):
+        raise ValueError(f"to_mesh: shapes differ: {src._shape.describe()} -> {dst._shape.describe()}")
+    engine = _engine(src._spawned)
+    out = _new(engine, dst, tuple(t.shape), t.dtype, t.device)
+    pairs = list(zip(src._shape.ranks, dst._shape.ranks))
+    ranks = tuple(sorted(set(src._shape.ranks) | set(dst._shape.ranks)))
+    engine.push(ranks, ("to_mesh", t._ref, out._ref, pairs, tuple(t.shape), t.dtype, _where()))
+    return out
+
+
+Tensor.to_mesh = to_mesh
+
+
+def grad_generator(loss: Tensor, params, grad_outputs=None):
+    """Gradients of `loss` for `params`, yielded one at a time in the order given (pass the
+    parameters last layer first), while the rest of the backward pass is still being issued, so
+    reductions of early gradients interleave with it.
+    """
+    params = list(params)
+    ready: list = [None] * len(params)
+    cond = threading.Condition()
+    state: dict = {"done": False, "error": None, "result": None}
+
+    def hook(i):
+        def put(g):
+            with cond:
+                ready[i] = g
+                cond.notify_all()
+            return g
+
+        return put
+
+    handles = [p.register_hook(hook(i)) for i, p in enumerate(params)]
+
+    def backward():
+        try:
+            state["result"] = torch.autograd.grad(loss, params, grad_outputs=grad_outputs, allow_unused=True)
+        except BaseException as e:
+            state["error"] = e
+        finally:
+            with cond:
+                state["done"] = True
+                cond.notify_all()
+
+    worker = threading.Thread(target=backward, name="monarch-backward", daemon=True)
+    worker.start()
+    try:
+        for i in range(len(params)):
+            with cond:
+                while ready[i] is None and not state["done"]:
+                    cond.wait()
+                if state["error"] is not None:
+                    raise state["error"]
+                g = ready[i] if ready[i] is not None else state["result"][i]
+            yield g
+    finally:
+        worker.join()
+        for h in handles:
+            h.remove()
 
 
 class _Devices(TorchFunctionMode):

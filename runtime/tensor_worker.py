@@ -107,6 +107,8 @@ def run(batch: list[tuple]) -> None:
             _run_op(name, args, kwargs, out, where)
         elif kind == "reduce":
             _reduce(*cmd[1:])
+        elif kind == "to_mesh":
+            _to_mesh(*cmd[1:])
         elif kind == "del":
             for i in cmd[1]:
                 _table.pop(i, None)
@@ -157,6 +159,37 @@ def _reduce(src: int, out: int, gid: int, size: int, reduction: str, scatter: bo
         _table[out] = Poison(type(e).__qualname__, str(e), traceback.format_exc(), where)
         return
     _table[out] = poison if poison is not None else result
+
+
+def _to_mesh(src: int, out: int, pairs: list, shape: tuple, dtype, where: str) -> None:
+    """Point-to-point copies over the mesh's group; a poisoned source sends a flag, so none hang."""
+    me = dist.get_rank()
+    w = context.worker
+    device = w.device if w is not None else torch.device("cpu")
+    reqs, incoming = [], None
+    for s, d in pairs:
+        if s == me and d == me:
+            v = _table.get(src)
+            _table[out] = v if isinstance(v, Poison) else v.clone()
+        elif s == me:
+            v = _table.get(src)
+            bad = isinstance(v, Poison) or v is None
+            data = torch.zeros(shape, dtype=dtype, device=device) if bad else v.detach().contiguous()
+            reqs += [dist.isend(torch.tensor([1 if bad else 0]), d), dist.isend(data, d)]
+        elif d == me:
+            flag, data = torch.zeros(1, dtype=torch.long), torch.empty(shape, dtype=dtype, device=device)
+            reqs += [dist.irecv(flag, s), dist.irecv(data, s)]
+            incoming = (flag, data)
+    try:
+        for r in reqs:
+            r.wait()
+    except Exception as e:
+        if incoming is not None:
+            _table[out] = Poison(type(e).__qualname__, str(e), traceback.format_exc(), where)
+        return
+    if incoming is not None:
+        flag, data = incoming
+        _table[out] = data if not flag.item() else Poison("RuntimeError", "the source value failed", "", where)
 
 
 def fetch(ref_id: int) -> torch.Tensor:

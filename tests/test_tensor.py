@@ -184,3 +184,41 @@ def test_cuda_request_on_a_cpu_mesh_warns_once(mesh):
             b = torch.zeros(2, device="cuda")
     assert len([w for w in record if "no CUDA" in str(w.message)]) <= 1
     assert monarch.inspect(a + b).device.type == "cpu"
+
+
+def test_to_mesh_pipelines_between_slices(mesh):
+    stages = [mesh.rename(host="pp").slice(pp=i) for i in range(2)]
+    with stages[0].activate():
+        x = torch.rand(3, 4)
+        y = x * 2
+    moved = y.to_mesh(stages[1])
+    assert moved.mesh is stages[1]
+    with stages[1].activate():
+        z = moved + 1
+    for g in range(2):
+        assert torch.allclose(monarch.inspect(z, gpu=g), monarch.inspect(x, gpu=g) * 2 + 1)
+    with pytest.raises(ValueError, match="shapes differ"):
+        y.to_mesh(mesh)
+
+
+def test_ddp_with_grad_generator_trains(mesh):
+    dp = mesh.flatten("dp")
+    with dp.activate():
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.reduce("dp", "avg"))  # the same initial weights on every replica
+        losses = []
+        for _ in range(25):
+            x = torch.rand(32, 8)
+            loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+            rparams = list(reversed(list(model.parameters())))
+            with torch.no_grad():
+                for p, g in zip(rparams, monarch.grad_generator(loss, rparams)):
+                    g.reduce_("dp", "avg")
+                    p -= 0.05 * g
+            losses.append(loss.reduce("dp", "avg"))
+    first, last = monarch.inspect(losses[0]).item(), monarch.inspect(losses[-1]).item()
+    assert last < first / 5, (first, last)
+    w = [monarch.inspect(model[0].weight, dp=i) for i in range(4)]
+    assert all(torch.allclose(w[0], wi) for wi in w[1:])  # averaged gradients keep replicas identical
