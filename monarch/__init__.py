@@ -23,6 +23,8 @@ __all__ = [
     "show",
     "fetch_shard",
     "grad_generator",
+    "Stream",
+    "get_active_stream",
 ]
 
 _EXPORTS = {
@@ -38,6 +40,8 @@ _EXPORTS = {
     "inspect": "monarch.runtime.tensor",
     "fetch_shard": "monarch.runtime.tensor",
     "grad_generator": "monarch.runtime.tensor",
+    "Stream": "monarch.runtime.streams",
+    "get_active_stream": "monarch.runtime.streams",
     "show": "monarch.extension.show",
 }
 

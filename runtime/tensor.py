@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from monarch.runtime import wire
+from monarch.runtime.streams import MAIN, Borrow, Stream, get_active_stream
 from monarch.runtime.tensor_worker import Ref
 
 BATCH = 256
@@ -48,7 +49,11 @@ class Engine:
         self.cpu_only = all(info.get("device", "cpu").startswith("cpu") for info in spawned.info)
         self.warned_cuda = False
 
-    def push(self, ranks: tuple[int, ...], cmd: tuple) -> None:
+    def push(self, ranks: tuple[int, ...], cmd: tuple, stream: Stream | None = None) -> None:
+        """Queue `cmd` for `ranks`, on `stream` (default: the active one)."""
+        sid = (stream or get_active_stream()).id
+        if sid:
+            cmd = ("s", sid, cmd)
         with self.lock:
             if ranks not in self.batches and self.batches:
                 self.flush()  # another set of workers: keep one global order of commands
@@ -66,7 +71,11 @@ class Engine:
     def _send(self, ranks: tuple[int, ...]) -> None:
         batch = self.batches.pop(ranks, [])
         if self.dead:
-            batch.append(("del", self.dead))
+            by_stream: dict[int, list[int]] = {}
+            for sid, ref in self.dead:
+                by_stream.setdefault(sid, []).append(ref)
+            for sid, refs in by_stream.items():
+                batch.append(("del", refs) if sid == 0 else ("s", sid, ("del", refs)))
             self.dead = []
         if not batch or self.spawned.state != "running":
             return
@@ -76,8 +85,8 @@ class Engine:
             frames = wire.encode(controller.key, ("ops",), wire.dumps(batch))
         controller.send(self.spawned, ranks if ranks != everyone else everyone, frames)
 
-    def free(self, ref: int) -> None:
-        self.dead.append(ref)  # sent with the next batch
+    def free(self, ref: int, stream_id: int = 0) -> None:
+        self.dead.append((stream_id, ref))  # sent with the next batch, run on the stream that owns it
 
 
 def _engine(spawned) -> Engine:
@@ -98,14 +107,21 @@ class Tensor(torch.Tensor):
     _fake: torch.Tensor
 
     @staticmethod
-    def __new__(cls, fake: torch.Tensor, ref: int, mesh: Any):
+    def __new__(cls, fake: torch.Tensor, ref: int, mesh: Any, stream: Stream | None = None):
         r = torch.Tensor._make_wrapper_subclass(
             cls, fake.shape, strides=fake.stride(), dtype=fake.dtype, device=fake.device,
             requires_grad=fake.requires_grad,
         )  # fmt: skip
         r._fake, r._ref, r._mesh = fake, ref, mesh
+        r._stream = stream if stream is not None else get_active_stream()
+        r._borrow = None  # for a borrowed view: the Borrow that made it
+        r._lent = []  # Borrows of this tensor not yet dropped
         r._engine_ref = weakref.ref(_engine(mesh._spawned))
         return r
+
+    @property
+    def stream(self) -> Stream:
+        return self._stream
 
     @property
     def mesh(self) -> Any:
@@ -116,8 +132,8 @@ class Tensor(torch.Tensor):
 
     def __del__(self) -> None:
         engine = self._engine_ref() if hasattr(self, "_engine_ref") else None
-        if engine is not None:
-            engine.free(self._ref)
+        if engine is not None and self._ref >= 0 and self._borrow is None:  # a borrowed view shares its origin's
+            engine.free(self._ref, self._stream.id)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -133,11 +149,10 @@ class Tensor(torch.Tensor):
         return _reduce(self, dims, reduction, scatter)
 
     def reduce_(self, dims: str | tuple[str, ...], reduction: str = "sum", scatter: bool = False) -> Tensor:
-        """In-place `reduce`: this handle now refers to the result."""
-        out = _reduce(self, dims, reduction, scatter)
-        engine = _engine(self._mesh._spawned)
-        engine.free(self._ref)
-        self._ref, out._ref = out._ref, -1
+        """In-place `reduce`: the result is written into this tensor on every worker."""
+        if reduction == "stack" or scatter:
+            raise ValueError(f"reduce_: {reduction!r} with scatter={scatter} changes the shape; use reduce()")
+        _reduce(self, dims, reduction, scatter, inplace=True)
         return self
 
 
@@ -225,8 +240,12 @@ def _run(mesh, func, args: tuple, kwargs: dict) -> Any:
     engine = _engine(spawned)
     local: list[torch.Tensor] = []
 
+    stream = get_active_stream()
+    mutated = _mutated_args(func, args)
+
     def to_fake(x):
         if isinstance(x, Tensor):
+            _check_stream(func, x, stream, mutating=id(x) in mutated)
             if x._mesh._spawned is not spawned:
                 raise _reject(
                     f"{func}: tensors from different meshes ({x._mesh._shape.describe()} and {mesh._shape.describe()})"
@@ -262,6 +281,77 @@ def _run(mesh, func, args: tuple, kwargs: dict) -> Any:
     return out
 
 
+def _mutated_args(func, args: tuple) -> set[int]:
+    """ids of the arguments `func` writes to (in-place ops and out= forms)."""
+    out = set()
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return out
+    for a, v in zip(schema.arguments, args):
+        if a.alias_info is not None and a.alias_info.is_write:
+            out.add(id(v))
+    return out
+
+
+def _check_stream(func, x: Tensor, stream: Stream, mutating: bool = False) -> None:
+    """The borrow rules; a TypeError that says which rule and where the borrow was made."""
+    what = str(func)
+    b = x._borrow
+    if b is not None and b.dropped:
+        raise _reject(
+            f"{what}: a borrowed tensor used after its borrow was dropped (borrowed at {b.where}, dropped at "
+            f"{b.dropped_at}); use the original tensor on stream {b.from_stream.name!r} instead"
+        )
+    if x._stream is not stream:
+        raise _reject(
+            f"{what}: a tensor of stream {x._stream.name!r} used on stream {stream.name!r}; a stream uses only its "
+            f"own tensors: lend it with {stream.name}.borrow(t) (see monarch.Stream.borrow)"
+        )
+    for lent in x._lent:
+        if lent.mutable:
+            raise _reject(
+                f"{what}: this tensor is {lent.describe()}; its stream {x._stream.name!r} may use it again only "
+                "after borrow.drop()"
+            )
+        if mutating:
+            raise _reject(
+                f"{what}: this tensor is {lent.describe()}, so it may not be changed until borrow.drop() "
+                "(borrow with mutable=True to change it on the borrowing stream)"
+            )
+
+
+def borrow(to: Stream, t: Tensor, mutable: bool) -> tuple[Tensor, Borrow]:
+    """`to.borrow(t, mutable)`: see `monarch.Stream.borrow`."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"borrow: needs a monarch.Tensor (made inside mesh.activate()), got {type(t).__name__}")
+    if t._borrow is not None:
+        raise _reject(f"borrow: this tensor is itself borrowed (at {t._borrow.where}); borrow the original")
+    if t._stream is to:
+        raise _reject(f"borrow: the tensor already belongs to stream {to.name!r}")
+    for lent in t._lent:
+        if lent.mutable or mutable:
+            raise _reject(f"borrow: this tensor is already {lent.describe()}; drop that borrow first")
+    where = _where()
+    b = Borrow(t, to, mutable, where)
+    mesh = t._mesh
+    engine = _engine(mesh._spawned)
+    alias = Tensor(t._fake, next(engine.ids), mesh, stream=to)
+    alias._borrow = b
+    b.alias_ref = alias._ref
+    t._lent.append(b)
+    engine.push(mesh._shape.ranks, ("borrow", b.id, t._stream.id, to.id, t._ref, alias._ref), stream=MAIN)
+
+    def drop(bb: Borrow) -> None:
+        bb.dropped_at = _where()
+        origin = bb.origin()
+        if origin is not None and bb in origin._lent:
+            origin._lent.remove(bb)
+        engine.push(mesh._shape.ranks, ("drop", bb.id, bb.from_stream.id, bb.to_stream.id, bb.alias_ref), stream=MAIN)
+
+    b._drop = drop
+    return alias, b
+
+
 def _ids_like(out: Any) -> Any:
     if isinstance(out, Tensor):
         return out._ref
@@ -270,12 +360,13 @@ def _ids_like(out: Any) -> Any:
     return None
 
 
-def _reduce(t: Tensor, dims, reduction: str, scatter: bool) -> Tensor:
+def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool = False) -> Tensor:
     allowed = ("sum", "avg", "max", "min", "product", "stack")
     if reduction not in allowed:
         raise ValueError(f"reduce: unknown reduction {reduction!r}; use one of {', '.join(allowed)}")
     if not isinstance(t, Tensor):
         raise TypeError(f"reduce: needs a monarch.Tensor (made inside mesh.activate()), got {type(t).__name__}")
+    _check_stream("reduce", t, get_active_stream(), mutating=inplace)
     mesh = t._mesh
     dims_t = (dims,) if isinstance(dims, str) else tuple(dims)
     for d in dims_t:
@@ -297,7 +388,7 @@ def _reduce(t: Tensor, dims, reduction: str, scatter: bool) -> Tensor:
             )
         out_shape = (shape[0] // size, *shape[1:]) if scatter else shape
     engine = _engine(mesh._spawned)
-    out = _new(engine, mesh, out_shape, t.dtype, t.device)
+    out = t if inplace else _new(engine, mesh, out_shape, t.dtype, t.device)
     cmd = ("reduce", t._ref, out._ref, group.gid, size, reduction, scatter, shape, t.dtype, _where())
     engine.push(mesh._shape.ranks, cmd)
     return out
@@ -316,6 +407,7 @@ def to_mesh(t: Tensor, dst) -> Tensor:
     """
     if not isinstance(t, Tensor):
         raise TypeError(f"to_mesh: needs a monarch.Tensor, got {type(t).__name__}")
+    _check_stream("to_mesh", t, get_active_stream())
     src = t._mesh
     if dst._spawned is not src._spawned:
         raise TypeError(

@@ -7,6 +7,8 @@ value is poisoned in turn, so the worker keeps serving and independent values st
 
 from __future__ import annotations
 
+import queue
+import threading
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -98,20 +100,84 @@ def _store(ids: Any, value: Any) -> None:
         _table[ids] = value
 
 
+class _StreamThread:
+    """A stream other than main: its commands run in order on their own thread."""
+
+    def __init__(self, sid: int) -> None:
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=f"monarch-stream-{sid}", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            fn = self.queue.get()
+            try:
+                fn()
+            except Exception:  # our bug; ops poison their results themselves
+                traceback.print_exc()
+
+
+_streams: dict[int, _StreamThread] = {}
+
+
+def _on(sid: int, fn) -> None:
+    """Run `fn` on stream `sid`, after what is already queued there (main: right now, on this thread)."""
+    if sid == 0:
+        fn()
+        return
+    st = _streams.get(sid)
+    if st is None:
+        st = _streams[sid] = _StreamThread(sid)
+    st.queue.put(fn)
+
+
+def _sync_streams() -> None:
+    """Wait until every stream has run what was queued on it (before a value is read)."""
+    events = []
+    for st in list(_streams.values()):
+        ev = threading.Event()
+        st.queue.put(ev.set)
+        events.append(ev)
+    for ev in events:
+        ev.wait()
+
+
 def run(batch: list[tuple]) -> None:
-    """Execute a batch of commands from the controller, in order."""
+    """Execute a batch of commands from the controller, in order (per stream)."""
     for cmd in batch:
-        kind = cmd[0]
-        if kind == "op":
-            _, name, args, kwargs, out, where = cmd
-            _run_op(name, args, kwargs, out, where)
-        elif kind == "reduce":
-            _reduce(*cmd[1:])
-        elif kind == "to_mesh":
-            _to_mesh(*cmd[1:])
-        elif kind == "del":
-            for i in cmd[1]:
-                _table.pop(i, None)
+        if cmd[0] == "s":
+            _on(cmd[1], lambda c=cmd[2]: _execute(c))
+        else:
+            _execute(cmd)
+
+
+def _execute(cmd: tuple) -> None:
+    kind = cmd[0]
+    if kind == "borrow":
+        _, _, from_sid, to_sid, src, alias = cmd
+        made = threading.Event()
+        _on(from_sid, made.set)  # the borrower waits for what the origin stream queued before
+        _on(to_sid, lambda: (made.wait(), _table.__setitem__(alias, _table.get(src))))
+    elif kind == "drop":
+        _, _, from_sid, to_sid, alias = cmd
+        done = threading.Event()
+        _on(to_sid, done.set)  # the origin waits for the borrower's ops
+        _on(from_sid, lambda: (done.wait(), _table.pop(alias, None)))
+    else:
+        _run_one(cmd)
+
+
+def _run_one(cmd: tuple) -> None:
+    kind = cmd[0]
+    if kind == "op":
+        _, name, args, kwargs, out, where = cmd
+        _run_op(name, args, kwargs, out, where)
+    elif kind == "reduce":
+        _reduce(*cmd[1:])
+    elif kind == "to_mesh":
+        _to_mesh(*cmd[1:])
+    elif kind == "del":
+        for i in cmd[1]:
+            _table.pop(i, None)
 
 
 def _run_op(name: str, args: tuple, kwargs: dict, out: Any, where: str) -> None:
@@ -158,7 +224,13 @@ def _reduce(src: int, out: int, gid: int, size: int, reduction: str, scatter: bo
     except Exception as e:
         _table[out] = Poison(type(e).__qualname__, str(e), traceback.format_exc(), where)
         return
-    _table[out] = poison if poison is not None else result
+    if poison is not None:
+        _table[out] = poison
+    elif out == src and isinstance(v, torch.Tensor):  # reduce_: in place, so borrowed views see it too
+        with torch.no_grad():
+            v.copy_(result)
+    else:
+        _table[out] = result
 
 
 def _to_mesh(src: int, out: int, pairs: list, shape: tuple, dtype, where: str) -> None:
@@ -194,6 +266,7 @@ def _to_mesh(src: int, out: int, pairs: list, shape: tuple, dtype, where: str) -
 
 def fetch(ref_id: int) -> torch.Tensor:
     """This worker's value of a tensor (called by reference from `monarch.inspect`)."""
+    _sync_streams()
     v = _table.get(ref_id)
     if isinstance(v, Poison):
         raise PoisonedValueError(

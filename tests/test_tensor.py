@@ -222,3 +222,65 @@ def test_ddp_with_grad_generator_trains(mesh):
     assert last < first / 5, (first, last)
     w = [monarch.inspect(model[0].weight, dp=i) for i in range(4)]
     assert all(torch.allclose(w[0], wi) for wi in w[1:])  # averaged gradients keep replicas identical
+
+
+def test_streams_ddp_with_borrows(mesh):
+    dp = mesh.flatten("dp")
+    main, comms = monarch.get_active_stream(), monarch.Stream("comms")
+    assert main.name == "main"
+    with dp.activate():
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.reduce("dp", "avg"))
+        x = torch.rand(8, 4)
+        loss = model(x).pow(2).mean()
+        rparams = list(reversed(list(model.parameters())))
+        reduced = []
+        with torch.no_grad():
+            it = iter(
+                (p, g, *comms.borrow(g, mutable=True)) for p, g in zip(rparams, monarch.grad_generator(loss, rparams))
+            )
+            todo = next(it, None)
+            while todo is not None:
+                param, grad, comm_grad, borrow = todo
+                with comms.activate():
+                    comm_grad.reduce_("dp", "sum")
+                todo = next(it, None)
+                borrow.drop()
+                reduced.append(grad * 1)  # after drop, main sees the reduced gradient
+        local = [monarch.inspect(g, dp=0) for g in reduced]
+    # each reduced gradient is the sum over replicas of the per-replica gradient
+    for i, p in enumerate(rparams):
+        with dp.activate():
+            (g,) = torch.autograd.grad(model(x).pow(2).mean(), [p])
+        per_rank = [monarch.inspect(g, dp=r) for r in range(4)]
+        assert torch.allclose(local[i], sum(per_rank), atol=1e-5)
+
+
+def test_borrow_misuse_is_explained(mesh):
+    comms = monarch.Stream("comms2")
+    with mesh.activate():
+        t = torch.ones(3)
+        with pytest.raises(TypeError, match="of stream 'main' used on stream 'comms2'.*comms2.borrow"):
+            with comms.activate():
+                t + 1
+        t_comms, borrow = comms.borrow(t, mutable=True)
+        with pytest.raises(TypeError, match=r"mutably borrowed by stream 'comms2' at .*test_tensor.py:\d+"):
+            t * 2
+        with comms.activate():
+            t_comms.mul_(5)
+        borrow.drop()
+        with pytest.raises(TypeError, match="used after its borrow was dropped"):
+            with comms.activate():
+                t_comms + 1
+        seen, b2 = comms.borrow(t)  # immutable: the origin may read but not write
+        u = t + 1
+        with pytest.raises(TypeError, match="immutably borrowed .* may not be changed"):
+            t.add_(1)
+        with comms.activate():
+            v = seen * 2
+        b2.drop()
+    assert torch.equal(monarch.inspect(u), torch.full((3,), 6.0))
+    with comms.activate():
+        assert torch.equal(monarch.inspect(v), torch.full((3,), 10.0))
