@@ -44,6 +44,8 @@ class Engine:
         self.dead: list[int] = []
         self.lock = threading.RLock()
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        self.specs: dict[tuple, Any] = {}
+        """Output metadata of ops already seen, by op and input metadata: most ops skip fake tensors."""
         # A shape error is raised to the user at the op; torch would also log it with a traceback.
         logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
         self.cpu_only = all(info.get("device", "cpu").startswith("cpu") for info in spawned.info)
@@ -104,15 +106,16 @@ class Tensor(torch.Tensor):
 
     _ref: int
     _mesh: Any
-    _fake: torch.Tensor
+    _meta: tuple
+    _fake: torch.Tensor | None
 
     @staticmethod
-    def __new__(cls, fake: torch.Tensor, ref: int, mesh: Any, stream: Stream | None = None):
-        r = torch.Tensor._make_wrapper_subclass(
-            cls, fake.shape, strides=fake.stride(), dtype=fake.dtype, device=fake.device,
-            requires_grad=fake.requires_grad,
-        )  # fmt: skip
-        r._fake, r._ref, r._mesh = fake, ref, mesh
+    def __new__(cls, meta: Any, ref: int, mesh: Any, stream: Stream | None = None):
+        if isinstance(meta, torch.Tensor):  # a fake tensor
+            meta = _Meta((tuple(meta.shape), meta.stride(), meta.dtype, meta.device))
+        shape, stride, dtype, device = meta
+        r = torch.Tensor._make_wrapper_subclass(cls, shape, strides=stride, dtype=dtype, device=device)
+        r._meta, r._fake, r._ref, r._mesh = meta, None, ref, mesh
         r._stream = stream if stream is not None else get_active_stream()
         r._borrow = None  # for a borrowed view: the Borrow that made it
         r._lent = []  # Borrows of this tensor not yet dropped
@@ -122,6 +125,15 @@ class Tensor(torch.Tensor):
     @property
     def stream(self) -> Stream:
         return self._stream
+
+    def _get_fake(self) -> torch.Tensor:
+        """A fake tensor with this handle's metadata (made when an op's metadata is not cached)."""
+        if self._fake is None:
+            shape, stride, dtype, device = self._meta
+            engine = self._engine_ref()
+            with torch.utils._python_dispatch._disable_current_modes(), engine.fake:
+                self._fake = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        return self._fake
 
     @property
     def mesh(self) -> Any:
@@ -198,14 +210,6 @@ class _Capture(TorchDispatchMode):
         self.mesh = mesh
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, Tensor) for t in types):
-            other = _mesh_of(args, kwargs)
-            if other is not None and other._spawned is not self.mesh._spawned:
-                raise _reject(
-                    f"{func}: a tensor on mesh {other._shape.describe()} used inside "
-                    f"{self.mesh._shape.describe()}.activate(); a tensor is used only on the mesh that made it "
-                    "(move it with t.to_mesh(mesh))"
-                )
         return _run(self.mesh, func, args, kwargs or {})
 
 
@@ -236,49 +240,94 @@ def _run(mesh, func, args: tuple, kwargs: dict) -> Any:
     if mesh is None:
         raise _reject(f"{func}: no mesh; ops on monarch tensors run inside `with mesh.activate():`")
     spawned = mesh._spawned
-    spawned.check_usable()
+    if spawned.state != "running":
+        spawned.check_usable()
     engine = _engine(spawned)
-    local: list[torch.Tensor] = []
-
     stream = get_active_stream()
     mutated = _mutated_args(func, args)
+    tensors: list[torch.Tensor] = []
+    key_parts: list = [func]
+    wire_args = _walk(args, tensors, key_parts)
+    wire_kwargs = _walk(kwargs, tensors, key_parts)
+    for x in tensors:
+        if isinstance(x, Tensor):
+            if x._mesh is not mesh and (x._mesh._spawned is not spawned or x._mesh._shape.ranks != mesh._shape.ranks):
+                raise _reject(
+                    f"{func}: a tensor on mesh {x._mesh._shape.describe()} used inside "
+                    f"{mesh._shape.describe()}.activate(); a tensor is used only on the mesh that made it "
+                    "(move it between views of one mesh with t.to_mesh(view))"
+                )
+            if x._stream is not stream or x._lent or x._borrow is not None:
+                _check_stream(func, x, stream, mutating=id(x) in mutated)
+    try:
+        key = tuple(key_parts)
+        spec = engine.specs.get(key)
+    except TypeError:  # an argument that cannot be hashed: no caching for this op
+        key, spec = None, None
+    if spec is None:
+        spec = _fake_run(engine, func, args, kwargs)
+        if key is not None and len(engine.specs) < 100_000:
+            engine.specs[key] = spec
+    out = _build(spec, engine, mesh, stream)
+    engine.push(mesh._shape.ranks, ("op", func.name(), wire_args, wire_kwargs, _ids_like(out), _where()), stream)
+    return out
+
+
+def _walk(obj: Any, tensors: list, key: list) -> Any:
+    """`obj` for the wire (handles become `Ref`s); collects tensors, and a hashable description in `key`."""
+    if isinstance(obj, Tensor):
+        tensors.append(obj)
+        key.append(obj._meta)
+        return Ref(obj._ref)
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        key.append(("local", tuple(obj.shape), obj.stride(), obj.dtype, obj.device))
+        return obj
+    if isinstance(obj, tuple | list):
+        key.append((type(obj), len(obj)))
+        return type(obj)(_walk(o, tensors, key) for o in obj)
+    if isinstance(obj, dict):
+        key.append((dict, tuple(obj)))
+        return {k: _walk(v, tensors, key) for k, v in obj.items()}
+    key.append(obj)
+    return obj
+
+
+def _fake_run(engine: Engine, func, args: tuple, kwargs: dict) -> Any:
+    """Run `func` on fake tensors; returns the output's spec (metadata only)."""
 
     def to_fake(x):
         if isinstance(x, Tensor):
-            _check_stream(func, x, stream, mutating=id(x) in mutated)
-            if x._mesh._spawned is not spawned:
-                raise _reject(
-                    f"{func}: tensors from different meshes ({x._mesh._shape.describe()} and {mesh._shape.describe()})"
-                )
-            return x._fake
+            return x._get_fake()
         if isinstance(x, torch.Tensor):
-            local.append(x)
             return engine.fake.from_tensor(x)
-        return x
-
-    def to_wire(x):
-        if isinstance(x, Tensor):
-            return Ref(x._ref)
         return x
 
     with engine.lock:  # one thread at a time computes metadata (grad_generator runs backward in another)
         fake_args, fake_kwargs = tree_map(to_fake, (args, kwargs))
         with engine.fake:
             fake_out = func(*fake_args, **fake_kwargs)
-    ids: list = []
+    return _spec(fake_out)
 
-    def wrap(x):
-        if isinstance(x, torch.Tensor):
-            ref = next(engine.ids)
-            ids.append(ref)
-            return Tensor(x, ref, mesh)
-        return x
 
-    out = tree_map(wrap, fake_out)
-    out_ids = _ids_like(out)
-    wire_args, wire_kwargs = tree_map(to_wire, (args, kwargs))
-    engine.push(mesh._shape.ranks, ("op", func.name(), wire_args, wire_kwargs, out_ids, _where()))
-    return out
+def _spec(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return _Meta((tuple(x.shape), x.stride(), x.dtype, x.device))
+    if isinstance(x, tuple | list):
+        return type(x)(_spec(o) for o in x)
+    return x
+
+
+class _Meta(tuple):
+    """A tensor output's (shape, stride, dtype, device) in a cached spec."""
+
+
+def _build(spec: Any, engine: Engine, mesh, stream: Stream) -> Any:
+    if isinstance(spec, _Meta):
+        return Tensor(spec, next(engine.ids), mesh, stream)
+    if isinstance(spec, tuple | list):
+        return type(spec)(_build(o, engine, mesh, stream) for o in spec)
+    return spec
 
 
 def _mutated_args(func, args: tuple) -> set[int]:
@@ -335,7 +384,7 @@ def borrow(to: Stream, t: Tensor, mutable: bool) -> tuple[Tensor, Borrow]:
     b = Borrow(t, to, mutable, where)
     mesh = t._mesh
     engine = _engine(mesh._spawned)
-    alias = Tensor(t._fake, next(engine.ids), mesh, stream=to)
+    alias = Tensor(t._meta, next(engine.ids), mesh, stream=to)
     alias._borrow = b
     b.alias_ref = alias._ref
     t._lent.append(b)
@@ -395,9 +444,11 @@ def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool = Fals
 
 
 def _new(engine: Engine, mesh, shape: tuple, dtype, device) -> Tensor:
-    with engine.lock, torch.utils._python_dispatch._disable_current_modes(), engine.fake:
-        fake = torch.empty(shape, dtype=dtype, device=device)
-    return Tensor(fake, next(engine.ids), mesh)
+    stride, acc = [], 1
+    for d in reversed(shape):  # contiguous
+        stride.append(acc)
+        acc *= max(d, 1)
+    return Tensor(_Meta((tuple(shape), tuple(reversed(stride)), dtype, device)), next(engine.ids), mesh)
 
 
 def to_mesh(t: Tensor, dst) -> Tensor:

@@ -157,6 +157,9 @@ def test_cross_mesh_use_is_a_type_error(mesh):
         with other.activate():
             with pytest.raises(TypeError, match=r"a tensor on mesh \{host: 2, gpu: 2\} used inside \{gpu: 2\}"):
                 t + 1
+        with mesh.slice(host=0).activate():  # another view of the same workers, but not all of them
+            with pytest.raises(TypeError, match="used only on the mesh that made it"):
+                t * 3
         # outside activate(), ops on a handle still run on its own mesh (autograd's backward may run there)
         assert torch.equal(monarch.inspect(t + 1), torch.full((2,), 2.0))
     finally:
