@@ -250,3 +250,15 @@ def test_interrupt_at_a_pdb_prompt(kernel: Kernel):
     assert prompts and prompts[0].startswith("[gpu=1] (Pdb)")
     assert "KeyboardInterrupt" in r.text()
     assert kernel.run("%%mesh\nrank").status == "ok"  # the worker left pdb and serves the next cell
+
+
+def test_tensor_engine_show_uses_the_tensor_view(kernel: Kernel):
+    code = (
+        "import torch, monarch\nm = get_ipython().run_line_magic('mesh', 'status').mesh\n"
+        "with m.activate():\n    t = torch.ones(2) * 3\nmonarch.show(t, gpu=1)"
+    )
+    r = kernel.run(code)
+    assert r.status == "ok", r.text()
+    (shown,) = [m["content"]["data"] for m in r.of("display_data")]
+    assert "application/vnd.jupyter.widget-view+json" in shown
+    assert "value at gpu=1" in shown["text/plain"] and "tensor([3., 3.])" in shown["text/plain"]
