@@ -26,4 +26,6 @@ def show(t: Any, **coords: int) -> None:
     from monarch.widgets.value_mesh import TensorView
 
     where = ",".join(f"{k}={v}" for k, v in coords.items()) or "the first rank"
-    display(TensorView(ValueMesh(Shape.from_sizes({"rank": 1}), [value]), title=f"value at {where}"))
+    view = TensorView(ValueMesh(Shape.from_sizes({"rank": 1}), [value]), title=f"value at {where}")
+    view.labels = [where]
+    display(view)

@@ -19,7 +19,7 @@ import weakref
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
@@ -265,7 +265,16 @@ def _run(mesh, func, args: tuple, kwargs: dict) -> Any:
     except TypeError:  # an argument that cannot be hashed: no caching for this op
         key, spec = None, None
     if spec is None:
-        spec = _fake_run(engine, func, args, kwargs)
+        try:
+            spec = _fake_run(engine, func, args, kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            if any(isinstance(x, Tensor) for x in tensors):
+                raise _reject(
+                    f"{func}: the result depends on the tensor's values, which live on the workers; "
+                    "fetch them first: monarch.inspect(t) (e.g. monarch.inspect(t).item())"
+                ) from None
+            with torch.utils._python_dispatch._disable_current_modes():  # local tensors only: run here
+                return func(*args, **kwargs)
         if key is not None and len(engine.specs) < 100_000:
             engine.specs[key] = spec
     out = _build(spec, engine, mesh, stream)
@@ -305,7 +314,8 @@ def _fake_run(engine: Engine, func, args: tuple, kwargs: dict) -> Any:
 
     with engine.lock:  # one thread at a time computes metadata (grad_generator runs backward in another)
         fake_args, fake_kwargs = tree_map(to_fake, (args, kwargs))
-        with engine.fake:
+        # outer activate() modes (nested activations) must not see the fake ops
+        with torch.utils._python_dispatch._disable_current_modes(), engine.fake:
             fake_out = func(*fake_args, **fake_kwargs)
     return _spec(fake_out)
 

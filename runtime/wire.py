@@ -83,7 +83,17 @@ class _Pickler(cloudpickle.Pickler):
                 return _reduce_tensor(obj)
             except (RuntimeError, ImportError):  # no numpy: fall back to torch's own pickling
                 return obj.__reduce_ex__(5)
+        if torch is not None and isinstance(obj, torch.memory_format | torch.layout):
+            # torch.preserve_format, torch.strided & co. reduce to a bare name like "torch.preserve_format", and
+            # pickle then finds it wherever `torch` is bound first in sys.modules: in a notebook, `__mp_main__`.
+            return _torch_attr, (str(obj).removeprefix("torch."),)
         return super().reducer_override(obj)
+
+
+def _torch_attr(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
 
 
 def dumps(obj: Any) -> list:

@@ -229,4 +229,106 @@ def _check_getting_started(nb) -> None:
     assert re.findall(r"host=(\d)\s+'ok'", _result(errors)["text/plain"]) == ["0", "1"]
 
 
-OUTPUT_CHECKS = {"getting_started.ipynb": _check_getting_started}
+# -- what distributed_tensors.ipynb should show -------------------------------------------------------
+def _numbers(text: str) -> list[float]:
+    return [float(x) for x in re.findall(r"-?\d+\.\d*(?:e[+-]\d+)?", text)]
+
+
+def _shown(cell) -> list[str]:
+    """The tensors `monarch.show` displayed in `cell`, as printed by torch (the text after the rank label)."""
+    return [
+        str(out.data["text/plain"]).split("]\n", 1)[1]
+        for out in cell.outputs
+        if out.output_type == "display_data" and str(out.data.get("text/plain", "")).startswith("value at ")
+    ]
+
+
+def _rows(table: str) -> list[tuple[str, ...]]:
+    """The coordinate and rank columns of the first printed MeshTable in `table`."""
+    lines = table.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[-2:] == ["status", "memory"])
+    width = lines[start].split().index("rank") + 1
+    rows = []
+    for line in lines[start + 2 :]:
+        if not re.match(r"\d", line):
+            break
+        rows.append(tuple(line.split()[:width]))
+    return rows
+
+
+def _check_distributed_tensors(nb) -> None:
+    # A 4-worker mesh and its table.
+    table = _text(_cell(nb, "mesh = this_host().spawn_procs"))
+    assert table.startswith("ProcMesh {gpu: 4}")
+    assert _rows(table) == [("0", "0"), ("1", "1"), ("2", "2"), ("3", "3")]
+    assert table.count(" cpu ") == 4
+
+    # Without a mesh, a local tensor; inside activate(), a handle, and one warning that "cuda" means the CPU.
+    assert _result(_cell(nb, "torch.rand(3, 4)"))["text/plain"].startswith("tensor([[")
+    handle = _cell(nb, "with mesh.activate():\n    t = torch.rand(3, 4")
+    assert _result(handle)["text/plain"] == "monarch.Tensor(shape=(3, 4), dtype=torch.float32, mesh={gpu: 4})"
+    assert _text(handle).count("the mesh's workers have no CUDA") == 1
+
+    # inspect and show fetch rank 0's copy; other coordinates give another rank's random numbers.
+    inspected = _result(_cell(nb, "monarch.inspect(t)"))["text/plain"]
+    shown0 = [c for c in _code_cells(nb) if c.source == "monarch.show(t)"]
+    assert len(shown0) == 1 and _shown(shown0[0]) == [inspected]
+    shown1 = _cell(nb, "monarch.show(t, gpu=1)")
+    assert "value at gpu=1" in _text(shown1)
+    (t1,) = _shown(shown1)
+    assert len(_numbers(t1)) == 12 and t1 != inspected
+
+    # t @ t.T: a symmetric 3 x 3 matrix.
+    (obj,) = _shown(_cell(nb, "with mesh.activate():\n    obj = t @ t.T"))
+    m = _numbers(obj)
+    assert len(m) == 9 and all(abs(m[3 * i + j] - m[3 * j + i]) < 2e-4 for i in range(3) for j in range(3))
+
+    # The failed allocation surfaces as a RemoteError with the worker's message; the workers recover.
+    failure = _cell(nb, "try:\n", "big_w")
+    text = _text(failure)
+    assert "RemoteError" in text and "can't allocate memory" in text
+    assert "RECOVERED!" in "".join(out.text for out in failure.outputs if out.get("name") == "stdout")
+
+    # The search doubles N up to the cap and stops there by itself.
+    search = _text(_cell(nb, "N = 1"))
+    assert re.findall(r"at least (\d+) x 2\*\*24 elements work", search) == ["1", "2", "4", "8"]
+    assert "cap reached: stopping at 8 x 2**24 elements" in search and "max is" not in search
+
+    # reduce("gpu", "sum"): a differs between ranks, r is the same on every rank.
+    a0, a1, r0, r1 = _shown(_cell(nb, "with mesh.activate():\n    a = torch.rand"))
+    assert a0 != a1 and r0 == r1
+    assert all(x > y for x, y in zip(_numbers(r0), _numbers(a0)))  # a sum of positive numbers
+
+    # The 2 x 2 mesh, its reductions over gpu and over host, renamed and split views.
+    remote = _text(_cell(nb, "# NYI: schedule public API"))
+    assert remote.startswith("ProcMesh {host: 2, gpu: 2}")
+    assert _rows(remote) == [("0", "0", "0"), ("0", "1", "1"), ("1", "0", "2"), ("1", "1", "3")]
+    sums = _text(_cell(nb, "def at(x, host, gpu)"))
+    assert "rgpu on host 1 is eg summed over its gpus: True" in sums
+    assert "rhost on gpu 1 is eg summed over the hosts: True" in sums
+    assert _text(_cell(nb, "mesh_2d_parallel = ")).startswith("ProcMesh {dp: 2, tp: 2}")
+    split = _text(_cell(nb, "mesh_3d_parallel = "))
+    assert split.startswith("ProcMesh {dp: 1, pp: 2, tp: 2}")
+    assert _rows(split) == [("0", "0", "0", "0"), ("0", "0", "1", "1"), ("0", "1", "0", "2"), ("0", "1", "1", "3")]
+
+    # Pipelining: stage 0 is ranks 0 and 1; the output ends on stage 1 (ranks 2 and 3), through ReLUs.
+    assert _rows(_text(_cell(nb, "pipeline_mesh = "))) == [("0", "0"), ("1", "1")]
+    pipeline = _cell(nb, "def forward_pipeline")
+    (out,) = _shown(pipeline)
+    assert len(_numbers(out)) == 12 and min(_numbers(out)) >= 0
+    assert _rows(_text(pipeline).split("ProcMesh {gpu: 2}", 1)[1]) == [("0", "2"), ("1", "3")]
+
+    # DDP: every run prints 8 steps of a falling loss (the plain one, and the streams variants if present).
+    runs = [c for c in _code_cells(nb) if c.source.rstrip().endswith("run_ddp()")]
+    assert len(runs) in (1, 3)
+    for run in runs:
+        steps = re.findall(r"step (\d+): loss (\d+\.\d+)", _text(run))
+        assert [int(s) for s, _ in steps] == list(range(8)), _text(run)
+        losses = [float(v) for _, v in steps]
+        assert all(b < a for a, b in zip(losses, losses[1:])), losses
+
+
+OUTPUT_CHECKS = {
+    "getting_started.ipynb": _check_getting_started,
+    "distributed_tensors.ipynb": _check_distributed_tensors,
+}

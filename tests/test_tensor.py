@@ -320,3 +320,18 @@ def test_worker_memory_is_flat_over_a_1000_step_training_loop(mesh):
     after = [_rss_kib(p) for p in pids]
     growth = max(a - b for a, b in zip(after, before))
     assert growth < 8 * 1024, f"worker RSS grew by {growth} KiB over 1,000 steps"
+
+
+def test_values_inside_activate_and_nested_activate(mesh):
+    import multiprocessing  # noqa: F401  (imported before torch in notebooks: memory formats must still travel)
+
+    with mesh.activate():
+        t = torch.ones(3) * 2
+        c = t.clone(memory_format=torch.preserve_format)
+        assert monarch.inspect(t.sum()).item() == 6.0  # a fetched value is local: .item() runs here
+        with pytest.raises(TypeError, match="depends on the tensor's values.*monarch.inspect"):
+            t.sum().item()
+        with mesh.activate():  # nested activation of the same mesh
+            u = t * 3
+    assert torch.equal(monarch.inspect(c), torch.full((3,), 2.0))
+    assert torch.equal(monarch.inspect(u), torch.full((3,), 6.0))
