@@ -205,7 +205,13 @@ def _reduce(src: int, out: int, gid: int, size: int, reduction: str, scatter: bo
     poison = v if isinstance(v, Poison) else None
     w = context.worker
     device = w.device if w is not None else torch.device("cpu")
-    t = torch.zeros(shape, dtype=dtype, device=device) if poison is not None or v is None else v.detach().clone()
+    in_place = out == src and poison is None and isinstance(v, torch.Tensor) and reduction != "stack" and not scatter
+    if in_place and v.is_contiguous():
+        t = v.detach()  # reduce_: straight into the tensor, as a plain all_reduce does
+    elif poison is not None or v is None:
+        t = torch.zeros(shape, dtype=dtype, device=device)
+    else:
+        t = v.detach().clone()
     group = groups._groups[gid]
     try:
         if reduction == "stack":
@@ -227,8 +233,9 @@ def _reduce(src: int, out: int, gid: int, size: int, reduction: str, scatter: bo
     if poison is not None:
         _table[out] = poison
     elif out == src and isinstance(v, torch.Tensor):  # reduce_: in place, so borrowed views see it too
-        with torch.no_grad():
-            v.copy_(result)
+        if result is not v and result.data_ptr() != v.data_ptr():
+            with torch.no_grad():
+                v.copy_(result)
     else:
         _table[out] = result
 
@@ -275,7 +282,11 @@ def fetch(ref_id: int) -> torch.Tensor:
         )
     if v is None:
         raise KeyError(f"tensor {ref_id} is not on this worker (freed, or made on another mesh)")
-    return v.detach().cpu() if isinstance(v, torch.Tensor) else v
+    if isinstance(v, torch.Tensor):
+        v = v.detach().cpu()
+        if v.untyped_storage().nbytes() > v.nbytes:  # a view: send its elements, not the whole storage
+            v = v.clone()
+    return v
 
 
 def table_size() -> int:

@@ -69,9 +69,9 @@ def _reduce_tensor(t):
         return t.__reduce_ex__(5)
     if t.device.type != "cpu":
         t = t.cpu()
-    if t.nbytes < OOB_MIN_BYTES:
-        return t.__reduce_ex__(5)
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if t.nbytes < OOB_MIN_BYTES:  # small: its bytes inside the pickle (torch's own pickling is ~50 µs)
+        return _rebuild_tensor, (bytearray(flat.numpy()), t.dtype, tuple(t.shape))
     return _rebuild_tensor, (pickle.PickleBuffer(flat.numpy()), t.dtype, tuple(t.shape))
 
 
