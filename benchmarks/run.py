@@ -163,6 +163,10 @@ def main() -> None:
         import kernel_cell
 
         kernel_cell.report(kernel_cell.measure(kernel_cell.N_CELLS), kernel_cell.N_CELLS)
+    if "--no-tensors" not in sys.argv:
+        import tensor_engine
+
+        tensor_engine.report(tensor_engine.measure())
 
 
 if __name__ == "__main__":

@@ -335,3 +335,19 @@ def test_values_inside_activate_and_nested_activate(mesh):
             u = t * 3
     assert torch.equal(monarch.inspect(c), torch.full((3,), 2.0))
     assert torch.equal(monarch.inspect(u), torch.full((3,), 6.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_and_nccl_reduce():
+    from monarch.actor import this_host
+
+    n = torch.cuda.device_count()
+    gpus = this_host().spawn_procs({"gpu": n})
+    try:
+        with gpus.activate():
+            t = torch.ones(1024, device="cuda") * 2
+            r = t.reduce("gpu", "sum")
+        assert torch.equal(monarch.inspect(r, gpu=n - 1), torch.full((1024,), 2.0 * n))
+    finally:
+        gpus.exit()
