@@ -241,7 +241,7 @@ def _run(mesh, func, args: tuple, kwargs: dict) -> Any:
         raise _reject(f"{func}: no mesh; ops on monarch tensors run inside `with mesh.activate():`")
     spawned = mesh._spawned
     if spawned.state != "running":
-        spawned.check_usable()
+        _check_alive(func, spawned)
     engine = _engine(spawned)
     stream = get_active_stream()
     mutated = _mutated_args(func, args)
@@ -280,6 +280,15 @@ def _run(mesh, func, args: tuple, kwargs: dict) -> Any:
     out = _build(spec, engine, mesh, stream)
     engine.push(mesh._shape.ranks, ("op", func.name(), wire_args, wire_kwargs, _ids_like(out), _where()), stream)
     return out
+
+
+def _check_alive(what, spawned) -> None:
+    if spawned.failure is not None:
+        raise spawned.failure
+    raise _reject(
+        f"{what}: mesh {spawned.shape.describe()} is {spawned.state}, and its tensors went with its workers; "
+        "make new tensors on a running mesh (mesh.respawn() starts one of the same shape)"
+    )
 
 
 def _walk(obj: Any, tensors: list, key: list) -> Any:
@@ -427,6 +436,8 @@ def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool = Fals
         raise TypeError(f"reduce: needs a monarch.Tensor (made inside mesh.activate()), got {type(t).__name__}")
     _check_stream("reduce", t, get_active_stream(), mutating=inplace)
     mesh = t._mesh
+    if mesh._spawned.state != "running":
+        _check_alive("reduce", mesh._spawned)
     dims_t = (dims,) if isinstance(dims, str) else tuple(dims)
     for d in dims_t:
         if d not in mesh.names:
@@ -598,6 +609,8 @@ def fetch_shard(t: Tensor, **coords: int):
 
     if not isinstance(t, Tensor):
         raise TypeError(f"fetch_shard: needs a monarch.Tensor, got {type(t).__name__}")
+    if t._mesh._spawned.state != "running":
+        _check_alive("inspect", t._mesh._spawned)
     flush(t._mesh)
     target = _rank_for(t, coords)
     with torch.utils._python_dispatch._disable_current_modes():

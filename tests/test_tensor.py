@@ -351,3 +351,18 @@ def test_cuda_tensors_and_nccl_reduce():
         assert torch.equal(monarch.inspect(r, gpu=n - 1), torch.full((1024,), 2.0 * n))
     finally:
         gpus.exit()
+
+
+def test_use_after_exit_is_a_type_error():
+    from monarch.actor import this_host
+
+    short = this_host().spawn_procs({"gpu": 2})
+    with short.activate():
+        t = torch.ones(2)
+    short.exit()
+    with pytest.raises(TypeError, match=r"mesh \{gpu: 2\} is stopped, and its tensors went with its workers"):
+        t + 1
+    with pytest.raises(TypeError, match="is stopped"):
+        monarch.inspect(t)
+    with pytest.raises(TypeError, match="is stopped"):
+        t.reduce("gpu")
