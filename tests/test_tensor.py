@@ -366,3 +366,13 @@ def test_use_after_exit_is_a_type_error():
         monarch.inspect(t)
     with pytest.raises(TypeError, match="is stopped"):
         t.reduce("gpu")
+
+
+def test_reduce_on_a_split_view_and_fetch_shard(mesh):
+    split = mesh.split(host=("dp", "pp"), gpu=("tp",), pp=2)  # dp=1, pp=2, tp=2
+    with split.activate():
+        t = torch.rand(2)
+        r = t.reduce(("pp", "tp"), "max")
+    values = [monarch.inspect(t, dp=0, pp=p, tp=q) for p in range(2) for q in range(2)]
+    fut = monarch.fetch_shard(r, dp=0, pp=1, tp=0)
+    assert torch.equal(fut.result().item(), torch.stack(values).amax(0))
