@@ -96,8 +96,27 @@ def _torch_attr(name: str) -> Any:
     return getattr(torch, name)
 
 
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def _plain(obj: Any, depth: int = 0) -> bool:
+    """True for small trees of builtin scalars, which the C pickler handles alone (no cloudpickle)."""
+    t = type(obj)
+    if t in _SCALARS or (t is bytes and len(obj) < OOB_MIN_BYTES):
+        return True
+    if depth > 3:
+        return False
+    if t is tuple or t is list:
+        return len(obj) <= 16 and all(_plain(o, depth + 1) for o in obj)
+    if t is dict:
+        return len(obj) <= 16 and all(type(k) is str and _plain(v, depth + 1) for k, v in obj.items())
+    return False
+
+
 def dumps(obj: Any) -> list:
     """Pickle `obj` as ``[body, *buffers]``."""
+    if _plain(obj):
+        return [pickle.dumps(obj, protocol=5)]
     buffers: list = []
 
     def keep(pb: pickle.PickleBuffer) -> bool:

@@ -166,6 +166,8 @@ class Worker:
         self.call_id: int | None = None
         self.in_user_code = False
         self.fns: dict[int, Any] = {}
+        self.views: dict[tuple, context.CallView] = {}
+        """This worker's coordinates in each mesh view it was called on."""
         self.send_lock = threading.Lock()
         self.zctx = zmq.Context()
         self.cmd = self.zctx.socket(zmq.SUB)
@@ -326,8 +328,14 @@ class Worker:
     def _call(self, header: tuple, body, buffers: list) -> None:
         _, call_id, fid, names, sizes, ranks = header
         self.call_id = call_id
-        view = Shape(names, sizes, ranks)
-        context.view = context.CallView(view.coords(ranks.index(self.cfg.rank)), view.size_dict)
+        key = (names, sizes, ranks)
+        call_view = self.views.get(key)
+        if call_view is None:
+            view = Shape(names, sizes, ranks)
+            call_view = context.CallView(view.coords(ranks.index(self.cfg.rank)), view.size_dict)
+            if len(self.views) < 1024:
+                self.views[key] = call_view
+        context.view = context.CallView(dict(call_view.coords), dict(call_view.sizes))
         ok, value = True, None
         try:
             fn_blob, sources, args, kwargs = wire.loads(body, buffers)
