@@ -101,13 +101,18 @@ def _store(ids: Any, value: Any) -> None:
 
 
 class _StreamThread:
-    """A stream other than main: its commands run in order on their own thread."""
+    """A stream other than main: its commands run in order on their own thread (and, on a GPU, its
+    own CUDA stream, so its kernels overlap the main stream's)."""
 
     def __init__(self, sid: int) -> None:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._loop, name=f"monarch-stream-{sid}", daemon=True).start()
 
     def _loop(self) -> None:
+        w = context.worker
+        if torch.cuda.is_available() and w is not None and w.device.type == "cuda":
+            torch.cuda.set_device(w.device)
+            torch.cuda.set_stream(torch.cuda.Stream(w.device))
         while True:
             fn = self.queue.get()
             try:
@@ -139,6 +144,8 @@ def _sync_streams() -> None:
         events.append(ev)
     for ev in events:
         ev.wait()
+    if events and torch.cuda.is_available():
+        torch.cuda.synchronize()  # and until their kernels are done
 
 
 def run(batch: list[tuple]) -> None:
@@ -150,17 +157,36 @@ def run(batch: list[tuple]) -> None:
             _execute(cmd)
 
 
+class _Mark:
+    """A point in one stream that another waits for: a thread event, plus a CUDA event on a GPU."""
+
+    def __init__(self) -> None:
+        self.host = threading.Event()
+        self.cuda = None
+
+    def record(self) -> None:
+        if torch.cuda.is_available():
+            self.cuda = torch.cuda.Event()
+            self.cuda.record()  # on this thread's current CUDA stream
+        self.host.set()
+
+    def wait(self) -> None:
+        self.host.wait()
+        if self.cuda is not None:
+            torch.cuda.current_stream().wait_event(self.cuda)
+
+
 def _execute(cmd: tuple) -> None:
     kind = cmd[0]
     if kind == "borrow":
         _, _, from_sid, to_sid, src, alias = cmd
-        made = threading.Event()
-        _on(from_sid, made.set)  # the borrower waits for what the origin stream queued before
+        made = _Mark()
+        _on(from_sid, made.record)  # the borrower waits for what the origin stream queued before
         _on(to_sid, lambda: (made.wait(), _table.__setitem__(alias, _table.get(src))))
     elif kind == "drop":
         _, _, from_sid, to_sid, alias = cmd
-        done = threading.Event()
-        _on(to_sid, done.set)  # the origin waits for the borrower's ops
+        done = _Mark()
+        _on(to_sid, done.record)  # the origin waits for the borrower's ops
         _on(from_sid, lambda: (done.wait(), _table.pop(alias, None)))
     else:
         _run_one(cmd)

@@ -376,3 +376,27 @@ def test_reduce_on_a_split_view_and_fetch_shard(mesh):
     values = [monarch.inspect(t, dp=0, pp=p, tp=q) for p in range(2) for q in range(2)]
     fut = monarch.fetch_shard(r, dp=0, pp=1, tp=0)
     assert torch.equal(fut.result().item(), torch.stack(values).amax(0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_streams_and_borrows():
+    from monarch.actor import this_host
+
+    n = torch.cuda.device_count()
+    gpus = this_host().spawn_procs({"gpu": n})
+    comms = monarch.Stream("comms")
+    try:
+        with gpus.activate():
+            g = torch.ones(1 << 20, device="cuda")
+            for _ in range(20):  # queue enough work on the main stream that a race would show
+                g = g * 1.0 + 0.0
+            borrowed, borrow = comms.borrow(g, mutable=True)
+            with comms.activate():
+                borrowed.reduce_("gpu", "sum")
+                borrowed.mul_(2)
+            borrow.drop()
+            h = g + 1
+        assert torch.equal(monarch.inspect(h), torch.full((1 << 20,), 2.0 * n + 1))
+    finally:
+        gpus.exit()
