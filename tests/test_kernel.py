@@ -262,3 +262,17 @@ def test_tensor_engine_show_uses_the_tensor_view(kernel: Kernel):
     (shown,) = [m["content"]["data"] for m in r.of("display_data")]
     assert "application/vnd.jupyter.widget-view+json" in shown
     assert "value at gpu=1" in shown["text/plain"] and "tensor([3., 3.])" in shown["text/plain"]
+
+
+def test_mesh_variable_and_saved_handle(kernel: Kernel):
+    setup = "from monarch.actor import this_host\npair = this_host().spawn_procs({'host': 2})"
+    assert kernel.run(setup).status == "ok"
+    r = kernel.run("%%mesh pair --save run\ncoords['host'] * 7")
+    assert r.status == "ok", r.text()
+    assert kernel.value("list(run.result())") == [0, 7]
+    assert kernel.value("run.done()") is True and kernel.value("run.mesh.sizes") == {"host": 2}
+    r = kernel.run("%%mesh pair --on host=1\nprint('only', rank, coords)")  # an index drops the dimension
+    assert r.final_outputs()[0]["text/plain"] == "[host=1] only 1 {}"
+    pids = kernel.value("[row['pid'] for row in pair.to_table().rows]")
+    assert kernel.run("pair.exit()").status == "ok"
+    assert wait_gone(pids, 5) == []
