@@ -9,6 +9,7 @@ import inspect
 import linecache
 import pickle
 import sys
+import weakref
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
@@ -172,7 +173,18 @@ class RemoteFunction:
         spawned, shape = mesh._spawned, mesh._shape
         spawned.check_usable()
         controller = spawned.controller
-        blob = _pickle(_by_reference(self) or self._fn, "function", self._fn)
+        try:
+            blob = _REF_BLOBS.get(self._fn)
+        except TypeError:  # cannot be weakly referenced (a builtin)
+            blob = None
+        if blob is None:
+            ref = _by_reference(self)
+            blob = _pickle(ref or self._fn, "function", self._fn)
+            if ref is not None:  # an importable function pickles the same every time
+                try:
+                    _REF_BLOBS[self._fn] = blob
+                except TypeError:
+                    pass
         known = spawned.fns.get(blob)
         if known is None:
             known = spawned.fns[blob] = (len(spawned.fns) + 1, set())
@@ -193,6 +205,11 @@ class RemoteFunction:
 
     def __repr__(self) -> str:
         return f"<live function {self.__qualname__}>"
+
+
+_REF_BLOBS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Pickled references of importable functions (by-value functions are pickled at each call: their
+globals may have changed)."""
 
 
 def remote(fn):
