@@ -158,14 +158,24 @@ class Tensor(torch.Tensor):
         `reduction` is sum, avg, max, min, product or stack (a new leading dimension: all-gather);
         `scatter=True` makes sum a reduce-scatter and stack an all-to-all.
         """
-        return _reduce(self, dims, reduction, scatter)
+        from monarch.runtime.tensor_comms import reduce
+
+        return reduce(self, dims, reduction, scatter)
 
     def reduce_(self, dims: str | tuple[str, ...], reduction: str = "sum", scatter: bool = False) -> Tensor:
         """In-place `reduce`: the result is written into this tensor on every worker."""
         if reduction == "stack" or scatter:
             raise ValueError(f"reduce_: {reduction!r} with scatter={scatter} changes the shape; use reduce()")
-        _reduce(self, dims, reduction, scatter, inplace=True)
+        from monarch.runtime.tensor_comms import reduce
+
+        reduce(self, dims, reduction, scatter, inplace=True)
         return self
+
+    def to_mesh(self, dst: Any) -> Tensor:
+        """This tensor moved worker to worker onto `dst`, a view of the same mesh with the same shape."""
+        from monarch.runtime.tensor_comms import to_mesh
+
+        return to_mesh(self, dst)
 
 
 _rejected = threading.local()
@@ -428,123 +438,12 @@ def _ids_like(out: Any) -> Any:
     return None
 
 
-def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool = False) -> Tensor:
-    allowed = ("sum", "avg", "max", "min", "product", "stack")
-    if reduction not in allowed:
-        raise ValueError(f"reduce: unknown reduction {reduction!r}; use one of {', '.join(allowed)}")
-    if not isinstance(t, Tensor):
-        raise TypeError(f"reduce: needs a monarch.Tensor (made inside mesh.activate()), got {type(t).__name__}")
-    _check_stream("reduce", t, get_active_stream(), mutating=inplace)
-    mesh = t._mesh
-    if mesh._spawned.state != "running":
-        _check_alive("reduce", mesh._spawned)
-    dims_t = (dims,) if isinstance(dims, str) else tuple(dims)
-    for d in dims_t:
-        if d not in mesh.names:
-            raise ValueError(
-                f"reduce: mesh {mesh._shape.describe()} has no dimension {d!r}; it has {', '.join(mesh.names)}"
-            )
-    size = 1
-    for d in dims_t:
-        size *= mesh.size(d)
-    group = mesh.process_group(dims_t)
-    shape = tuple(t.shape)
-    if reduction == "stack":
-        out_shape = (size, *shape) if not scatter else (size, *shape[1:])
-    else:
-        if scatter and (not shape or shape[0] % size):
-            raise ValueError(
-                f"reduce: scatter over {size} ranks needs a leading dimension divisible by {size}, got {shape}"
-            )
-        out_shape = (shape[0] // size, *shape[1:]) if scatter else shape
-    engine = _engine(mesh._spawned)
-    out = t if inplace else _new(engine, mesh, out_shape, t.dtype, t.device)
-    cmd = ("reduce", t._ref, out._ref, group.gid, size, reduction, scatter, shape, t.dtype, _where())
-    engine.push(mesh._shape.ranks, cmd)
-    return out
-
-
 def _new(engine: Engine, mesh, shape: tuple, dtype, device) -> Tensor:
     stride, acc = [], 1
     for d in reversed(shape):  # contiguous
         stride.append(acc)
         acc *= max(d, 1)
     return Tensor(_Meta((tuple(shape), tuple(reversed(stride)), dtype, device)), next(engine.ids), mesh)
-
-
-def to_mesh(t: Tensor, dst) -> Tensor:
-    """`t` moved worker to worker onto `dst`, a view of the same spawned mesh with the same shape.
-
-    Pairs workers by position (rank i of t's view sends to rank i of `dst`); pipelined like any op.
-    """
-    if not isinstance(t, Tensor):
-        raise TypeError(f"to_mesh: needs a monarch.Tensor, got {type(t).__name__}")
-    _check_stream("to_mesh", t, get_active_stream())
-    src = t._mesh
-    if dst._spawned is not src._spawned:
-        raise TypeError(
-            f"to_mesh: {dst._shape.describe()} is another spawned mesh; tensors move only between views "
-            f"(slices, renames) of the mesh that made them, here {src._shape.describe()}"
-        )
-    if tuple(dst._shape.sizes) != tuple(src._shape.sizes):
-        raise ValueError(f"to_mesh: shapes differ: {src._shape.describe()} -> {dst._shape.describe()}")
-    engine = _engine(src._spawned)
-    out = _new(engine, dst, tuple(t.shape), t.dtype, t.device)
-    pairs = list(zip(src._shape.ranks, dst._shape.ranks))
-    ranks = tuple(sorted(set(src._shape.ranks) | set(dst._shape.ranks)))
-    engine.push(ranks, ("to_mesh", t._ref, out._ref, pairs, tuple(t.shape), t.dtype, _where()))
-    return out
-
-
-Tensor.to_mesh = to_mesh
-
-
-def grad_generator(loss: Tensor, params, grad_outputs=None):
-    """Gradients of `loss` for `params`, yielded one at a time in the order given (pass the
-    parameters last layer first), while the rest of the backward pass is still being issued, so
-    reductions of early gradients interleave with it.
-    """
-    params = list(params)
-    ready: list = [None] * len(params)
-    cond = threading.Condition()
-    state: dict = {"done": False, "error": None, "result": None}
-
-    def hook(i):
-        def put(g):
-            with cond:
-                ready[i] = g
-                cond.notify_all()
-            return g
-
-        return put
-
-    handles = [p.register_hook(hook(i)) for i, p in enumerate(params)]
-
-    def backward():
-        try:
-            state["result"] = torch.autograd.grad(loss, params, grad_outputs=grad_outputs, allow_unused=True)
-        except BaseException as e:
-            state["error"] = e
-        finally:
-            with cond:
-                state["done"] = True
-                cond.notify_all()
-
-    worker = threading.Thread(target=backward, name="monarch-backward", daemon=True)
-    worker.start()
-    try:
-        for i in range(len(params)):
-            with cond:
-                while ready[i] is None and not state["done"]:
-                    cond.wait()
-                if state["error"] is not None:
-                    raise state["error"]
-                g = ready[i] if ready[i] is not None else state["result"][i]
-            yield g
-    finally:
-        worker.join()
-        for h in handles:
-            h.remove()
 
 
 class _Devices(TorchFunctionMode):
@@ -593,32 +492,3 @@ def flush(mesh) -> None:
     engine = getattr(mesh._spawned, "engine", None)
     if engine is not None:
         engine.flush()
-
-
-def _rank_for(t: Tensor, coords: dict[str, int]) -> Any:
-    view = t._mesh
-    if coords:
-        view = view.slice(**coords)
-    return view.slice(**{d: 0 for d in view.names}) if view.names else view
-
-
-def fetch_shard(t: Tensor, **coords: int):
-    """A future for the value of `t` on the worker at `coords` (default: the first)."""
-    from monarch.runtime import tensor_worker
-    from monarch.runtime.remote import RemoteFunction
-
-    if not isinstance(t, Tensor):
-        raise TypeError(f"fetch_shard: needs a monarch.Tensor, got {type(t).__name__}")
-    if t._mesh._spawned.state != "running":
-        _check_alive("inspect", t._mesh._spawned)
-    flush(t._mesh)
-    target = _rank_for(t, coords)
-    with torch.utils._python_dispatch._disable_current_modes():
-        return RemoteFunction(tensor_worker.fetch, target)._start((t._ref,), {}, name="fetching a tensor")
-
-
-def inspect(t: Tensor, **coords: int) -> torch.Tensor:
-    """The value of `t` on the worker at `coords` (default: the first), as a local tensor."""
-    fut = fetch_shard(t, **coords)
-    with torch.utils._python_dispatch._disable_current_modes():
-        return next(iter(fut.result()))

@@ -1,0 +1,38 @@
+"""Getting values back from the workers: `monarch.inspect`, `monarch.fetch_shard`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from monarch.runtime.tensor import Tensor, _check_alive, flush
+
+
+def _rank_for(t: Tensor, coords: dict[str, int]) -> Any:
+    view = t._mesh
+    if coords:
+        view = view.slice(**coords)
+    return view.slice(**{d: 0 for d in view.names}) if view.names else view
+
+
+def fetch_shard(t: Tensor, **coords: int):
+    """A future for the value of `t` on the worker at `coords` (default: the first)."""
+    from monarch.runtime import tensor_worker
+    from monarch.runtime.remote import RemoteFunction
+
+    if not isinstance(t, Tensor):
+        raise TypeError(f"fetch_shard: needs a monarch.Tensor, got {type(t).__name__}")
+    if t._mesh._spawned.state != "running":
+        _check_alive("inspect", t._mesh._spawned)
+    flush(t._mesh)
+    target = _rank_for(t, coords)
+    with torch.utils._python_dispatch._disable_current_modes():
+        return RemoteFunction(tensor_worker.fetch, target)._start((t._ref,), {}, name="fetching a tensor")
+
+
+def inspect(t: Tensor, **coords: int) -> torch.Tensor:
+    """The value of `t` on the worker at `coords` (default: the first), as a local tensor."""
+    fut = fetch_shard(t, **coords)
+    with torch.utils._python_dispatch._disable_current_modes():
+        return next(iter(fut.result()))
