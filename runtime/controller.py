@@ -34,6 +34,7 @@ import zmq
 from monarch.runtime import wire
 from monarch.runtime.errors import WorkerDiedError, exit_cause
 from monarch.runtime.shape import Shape
+from monarch.runtime.stdin_service import InputRequest, StdinService, _terminal_input
 
 _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
@@ -59,30 +60,6 @@ class OutputEvent:
     data: dict | None = None
     """A display's mime bundle (``{"text/plain": ..., "image/png": ...}``)."""
     metadata: dict | None = None
-
-
-@dataclass
-class InputRequest:
-    """A worker waiting for a line of input (`input()`, `sys.stdin`, or its pdb prompt)."""
-
-    mesh: SpawnedMesh
-    rank: int
-    label: str
-    call_id: int | None
-    req_id: int
-    prompt: str
-    password: bool
-    debugger: bool
-    """Asked by pdb: the same rank's next prompt is served before other ranks'."""
-
-
-RESUME_COMMANDS = frozenset({"c", "cont", "continue", "q", "quit", "exit"})
-OWNER_GRACE = 1.0
-"""Seconds a debugged rank keeps the prompt after a command, before other paused ranks are served."""
-
-
-def _terminal_input(req: InputRequest) -> str:
-    return input(f"[{req.label}] {req.prompt}")
 
 
 class _LineLabeller:
@@ -153,7 +130,7 @@ class PendingCall:
     """Where this call's output goes, instead of the controller's `output`."""
 
 
-class Controller:
+class Controller(StdinService):
     """Owns this process's meshes. Get it with `get_controller()`."""
 
     def __init__(self) -> None:
@@ -360,64 +337,6 @@ class Controller:
             pass
         if self.listeners:
             self._changed(pending.mesh)
-
-    # -- stdin -------------------------------------------------------------------------------------
-    def _on_input(self, req: InputRequest) -> None:
-        pending = self.calls.get(req.call_id) if req.call_id is not None else None
-        reason = "the call it belongs to is over" if pending is None else pending.no_stdin
-        if reason is not None:
-            self._answer(req, False, f"input() / pdb on rank {req.rank} ({req.label}) has no stdin: {reason}")
-        else:
-            self.stdin_queue.append(req)
-
-    def _answer(self, req: InputRequest, ok: bool, text: str) -> None:
-        if req.mesh.state == "running":
-            self.send(req.mesh, (req.rank,), wire.encode(self.key, ("stdin", req.req_id, ok, text)))
-
-    def _next_request(self) -> InputRequest | None:
-        """The next request to serve: the rank being debugged keeps the prompt for a moment."""
-        queue = self.stdin_queue
-        owner = self._stdin_owner
-        if owner is not None:
-            for req in queue:
-                if (req.mesh.mesh_id, req.rank) == owner:
-                    queue.remove(req)
-                    return req
-            if time.monotonic() - self._owner_since < OWNER_GRACE:
-                return None
-            self._stdin_owner = None
-        return queue.popleft() if queue else None
-
-    def serve_stdin(self) -> bool:
-        """Answer one waiting input request with `self.stdin`; False if none is ready.
-
-        Called by threads waiting for calls. A `KeyboardInterrupt` in the handler propagates (the
-        caller interrupts the workers); other errors go back to the worker as its error.
-        """
-        req = self._next_request()
-        if req is None:
-            return False
-        with self._rx_count_lock:
-            self._rx_waiters -= 1  # let the I/O thread receive (other ranks' output) meanwhile
-        self._wake()
-        try:
-            text = self.stdin(req)
-        except KeyboardInterrupt:
-            self._stdin_owner = None
-            raise
-        except Exception as e:
-            self._stdin_owner = None
-            what = f"input() / pdb on rank {req.rank} ({req.label})"
-            self._answer(req, False, f"{what} got no answer: {type(e).__name__}: {e}")
-            return True
-        finally:
-            with self._rx_count_lock:
-                self._rx_waiters += 1
-        resumed = not req.debugger or text.strip().split(" ")[0] in RESUME_COMMANDS
-        self._stdin_owner = None if resumed else (req.mesh.mesh_id, req.rank)
-        self._owner_since = time.monotonic()
-        self._answer(req, True, text)
-        return True
 
     def _wake(self) -> None:
         try:
