@@ -13,25 +13,17 @@ process they started are stopped at the end (checked in /proc).
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
 
+from run import ensure_ipyparallel, header, print_rows  # benchmarks/run.py, next to this file
+
 N_CELLS = 200
 WORKERS = 8
-
-
-def ensure_ipyparallel() -> None:
-    try:
-        import ipyparallel  # noqa: F401
-    except ImportError:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "ipyparallel==9.2.0"], check=True)
 
 
 def run_cell(kc, code: str, timeout: float = 60) -> float:
@@ -161,18 +153,12 @@ def measure(n: int = N_CELLS) -> dict:
 
 
 def report(results: dict, n: int) -> None:
-    ours = results["monarch"]
     rows = [
         (f"trivial cell on {WORKERS} workers, execute_request to idle (median of {n})", "median", "ms", 1e3),
         (f"trivial cell on {WORKERS} workers, execute_request to idle (p90 of {n})", "p90", "ms", 1e3),
         (f"first cell, {WORKERS} workers started from the kernel (one-time)", "first", "s", 1),
     ]
-    for title, key, unit, scale in rows:
-        parts = [f"monarch {ours[key] * scale:.3g} {unit}"]
-        for peer, res in results.items():
-            if peer != "monarch" and res:
-                parts.append(f"{peer} {res[key] * scale:.3g} {unit} (ratio {res[key] / ours[key]:.1f}x)")
-        print(f"{title}: " + " | ".join(parts))
+    print_rows(results, rows)
     for peer, res in results.items():
         if res["leftover"]:
             print(f"  ({peer}: {len(res['leftover'])} processes outlived shutdown, killed: {res['leftover']})")
@@ -182,13 +168,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=N_CELLS, help="timed cells per side (default %(default)s)")
     args = ap.parse_args()
-    logging.disable(logging.WARNING)
-    try:
-        from run import machine  # benchmarks/run.py, next to this file
-
-        print(f"machine: {machine()}")
-    except ImportError:
-        pass
+    header()
     t0 = time.perf_counter()
     results = measure(args.n)
     report(results, args.n)

@@ -10,6 +10,7 @@ Each figure comes from fresh processes in this run; ratios are peer / monarch (h
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -139,6 +140,23 @@ def machine() -> str:
     return f"{platform.node()}: {os.cpu_count()} cores ({cpu}), Linux {platform.release()}, Python {platform.python_version()}"
 
 
+def print_rows(results: dict, rows: list[tuple[str, str, str, float]]) -> None:
+    """One line per (title, key, unit, scale): monarch's figure, then each peer's with the ratio peer / monarch."""
+    ours = results["monarch"]
+    for title, key, unit, scale in rows:
+        parts = [f"monarch {ours[key] * scale:.3g} {unit}"]
+        for peer, res in results.items():
+            if peer != "monarch" and res:
+                parts.append(f"{peer} {res[key] * scale:.3g} {unit} (ratio {res[key] / ours[key]:.1f}x)")
+        print(f"{title}: " + " | ".join(parts))
+
+
+def header() -> None:
+    """What a benchmark prints first: the machine; and quiet logging."""
+    logging.disable(logging.WARNING)
+    print(f"machine: {machine()}")
+
+
 def main() -> None:
     ensure_ipyparallel()
     print(f"machine: {machine()}")
@@ -153,12 +171,7 @@ def main() -> None:
         ("second mesh's spawn (8 workers)", "second", "s", 1),
         ("no-op call on 8 workers, round trip (median)", "rtt", "ms", 1e3),
     ]
-    for title, key, unit, scale in rows:
-        parts = [f"monarch {ours[key] * scale:.3g} {unit}"]
-        for peer, res in results.items():
-            if peer != "monarch" and res:
-                parts.append(f"{peer} {res[key] * scale:.3g} {unit} (ratio {res[key] / ours[key]:.1f}x)")
-        print(f"{title}: " + " | ".join(parts))
+    print_rows(results, rows)
     if "--no-kernel" not in sys.argv:
         import kernel_cell
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import statistics
 import subprocess
@@ -42,6 +41,8 @@ import tempfile
 import textwrap
 import time
 import uuid
+
+from run import header  # benchmarks/run.py, next to this file
 
 WORKERS = 8
 OPS = 5000
@@ -283,13 +284,7 @@ def main() -> None:
     ap.add_argument("--inspects", type=int, default=INSPECTS, help="timed inspects (default %(default)s)")
     ap.add_argument("--reduces", type=int, default=REDUCES, help="timed reduces per size (default %(default)s)")
     args = ap.parse_args()
-    logging.disable(logging.WARNING)
-    try:
-        from run import machine  # benchmarks/run.py, next to this file
-
-        print(f"machine: {machine()}")
-    except ImportError:
-        pass
+    header()
     t0 = time.perf_counter()
     results = measure(args.ops, args.inspects, args.reduces)
     report(results, args.ops, args.inspects, args.reduces)
