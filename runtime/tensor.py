@@ -9,6 +9,8 @@ a reference id, the mesh view and the fake tensor.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import itertools
 import logging
 import os
@@ -481,11 +483,38 @@ def _constructors():
 def activate(mesh):
     """The capture modes for `mesh` (entered by `mesh.activate()`)."""
     engine = _engine(mesh._spawned)
-    with contextlib.ExitStack() as stack:
-        if engine.cpu_only:
-            stack.enter_context(_Devices(engine))
-        stack.enter_context(_Capture(mesh))
-        yield
+    _route_manual_seed()
+    token = _capturing.set(mesh)
+    try:
+        with contextlib.ExitStack() as stack:
+            if engine.cpu_only:
+                stack.enter_context(_Devices(engine))
+            stack.enter_context(_Capture(mesh))
+            yield
+    finally:
+        _capturing.reset(token)
+
+
+_capturing: contextvars.ContextVar[Any] = contextvars.ContextVar("monarch_capturing", default=None)
+_local_manual_seed = None
+
+
+def _route_manual_seed() -> None:
+    """`torch.manual_seed(s)` inside `activate()` seeds the workers too (it is not a torch op, so no
+    mode sees it); elsewhere it is torch's own."""
+    global _local_manual_seed
+    if _local_manual_seed is not None:
+        return
+    _local_manual_seed = torch.manual_seed
+
+    @functools.wraps(_local_manual_seed)
+    def manual_seed(seed):
+        mesh = _capturing.get()
+        if mesh is not None and mesh._spawned.state == "running":
+            _engine(mesh._spawned).push(mesh._shape.ranks, ("seed", int(seed)))
+        return _local_manual_seed(seed)
+
+    torch.manual_seed = manual_seed
 
 
 def flush(mesh) -> None:

@@ -204,6 +204,8 @@ def _run_one(cmd: tuple) -> None:
     elif kind == "del":
         for i in cmd[1]:
             _table.pop(i, None)
+    elif kind == "seed":
+        torch.manual_seed(cmd[1])
 
 
 def _run_op(name: str, args: tuple, kwargs: dict, out: Any, where: str) -> None:

@@ -400,3 +400,20 @@ def test_cuda_streams_and_borrows():
         assert torch.equal(monarch.inspect(h), torch.full((1 << 20,), 2.0 * n + 1))
     finally:
         gpus.exit()
+
+
+def test_manual_seed_inside_activate_seeds_the_workers():
+    from monarch.actor import this_host
+
+    seeded = this_host().spawn_procs({"gpu": 2})  # its own mesh: afterwards its ranks draw the same numbers
+    try:
+        with seeded.activate():
+            torch.manual_seed(1234)
+            x = torch.rand(5)
+        torch.manual_seed(1234)
+        expected = torch.rand(5)
+        for value in _all(x, seeded):
+            assert torch.equal(value, expected)
+        assert torch.manual_seed.__name__ == "manual_seed" and type(torch.rand(2)) is torch.Tensor
+    finally:
+        seeded.exit()
