@@ -68,6 +68,13 @@ class _LineLabeller:
     def __init__(self) -> None:
         self.at_line_start: dict[tuple[int, int, str], bool] = {}
 
+    def break_line(self) -> None:
+        """End any half-written line (before a prompt), so the prompt starts on its own line."""
+        if not all(self.at_line_start.values()) and sys.stdout is not None:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            self.at_line_start = dict.fromkeys(self.at_line_start, True)
+
     def __call__(self, ev: OutputEvent) -> None:
         out = sys.stdout if ev.stream != "stderr" else sys.stderr
         if out is None:

@@ -78,6 +78,9 @@ class StdinService:
             self._rx_waiters -= 1  # let the I/O thread receive (other ranks' output) meanwhile
         self._wake()
         try:
+            break_line = getattr(self.output, "break_line", None)
+            if break_line is not None:
+                break_line()
             text = self.stdin(req)
         except KeyboardInterrupt:
             self._stdin_owner = None

@@ -1,5 +1,6 @@
 """Workers' stdin outside a kernel: pdb and input() served by the script's terminal, one rank at a time."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -44,7 +45,7 @@ def test_pdb_and_input_use_the_terminal_in_a_script(tmp_path):
     text = out.stdout
     assert "RESULT [0, 7]" in text and "NAMES ['alice', 'bob']" in text, text
     # prompts are labelled with the rank, and a rank's pdb session ends before the other's starts
-    order = [line.split("]")[0][1:] for line in text.replace("(Pdb) ", "(Pdb) \n").splitlines() if "(Pdb)" in line]
+    order = re.findall(r"\[(gpu=\d)\] \(Pdb\) ", text)
     assert len(order) == 4 and order[0] == order[1] and order[2] == order[3] != order[0], text
     assert "[gpu=0] 1000" in text and "[gpu=1] 1007" in text
     assert text.count("name? ") == 2
