@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import reprlib
-
 import traitlets
 
 from monarch.widgets.base import StaticFallbackWidget
@@ -45,10 +43,6 @@ export default {
   },
 };
 """
-
-_repr = reprlib.Repr()
-_repr.maxstring = _repr.maxother = 2000
-
 
 def _text(value: object) -> str:
     text = repr(value)
