@@ -44,6 +44,7 @@ export default {
 };
 """
 
+
 def _text(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 4000 else text[:4000] + " …"
