@@ -42,6 +42,9 @@ _SNDMORE = int(zmq.SNDMORE)
 SPAWN_TIMEOUT = float(os.environ.get("MONARCH_SPAWN_TIMEOUT", "120"))
 EXIT_GRACE = 3.0
 """Seconds a worker gets to exit after `exit()` before it is killed."""
+RX_HANDBACK = 0.01
+"""Seconds after a waiting caller returns before the I/O thread receives again (output that
+arrives between calls, e.g. from a non-blocking call, is delayed at most this long)."""
 
 
 @dataclass
@@ -373,7 +376,9 @@ class Controller(StdinService):
                 if mine != watching_pull:
                     poller.register(pull_fd, select.POLLIN) if mine else poller.unregister(pull_fd)
                     watching_pull = mine
-                for fd, _ in poller.poll():
+                # Not receiving: a caller in wait() is. It does not wake us when it returns (that would
+                # cost a wake-up per call); we look again after RX_HANDBACK instead.
+                for fd, _ in poller.poll(None if mine else RX_HANDBACK * 1000):
                     if fd == self._wake_r:
                         os.read(self._wake_r, 4096)
                     elif fd in self.sentinels:
@@ -412,8 +417,7 @@ class Controller(StdinService):
                     self._rx_lock.release()
         finally:
             with self._rx_count_lock:
-                self._rx_waiters -= 1
-            self._wake()  # the I/O thread receives again
+                self._rx_waiters -= 1  # the I/O thread receives again within RX_HANDBACK
         return fut.result(0)
 
     def _drain(self) -> None:

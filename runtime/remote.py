@@ -9,13 +9,12 @@ import inspect
 import linecache
 import pickle
 import sys
-import weakref
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
 import cloudpickle
 
-from monarch.runtime import context, wire
+from monarch.runtime import context, fnblob, wire
 from monarch.runtime.errors import RemoteError, RemoteInterrupt, group_failures
 from monarch.runtime.mesh import ProcMesh, active_mesh
 from monarch.runtime.shape import Shape
@@ -173,18 +172,8 @@ class RemoteFunction:
         spawned, shape = mesh._spawned, mesh._shape
         spawned.check_usable()
         controller = spawned.controller
-        try:
-            blob = _REF_BLOBS.get(self._fn)
-        except TypeError:  # cannot be weakly referenced (a builtin)
-            blob = None
-        if blob is None:
-            ref = _by_reference(self)
-            blob = _pickle(ref or self._fn, "function", self._fn)
-            if ref is not None:  # an importable function pickles the same every time
-                try:
-                    _REF_BLOBS[self._fn] = blob
-                except TypeError:
-                    pass
+        fn = self._fn
+        blob = fnblob.function_blob(fn, lambda: _by_reference(self), lambda obj: _pickle(obj, "function", fn))
         known = spawned.fns.get(blob)
         if known is None:
             known = spawned.fns[blob] = (len(spawned.fns) + 1, set())
@@ -205,11 +194,6 @@ class RemoteFunction:
 
     def __repr__(self) -> str:
         return f"<live function {self.__qualname__}>"
-
-
-_REF_BLOBS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Pickled references of importable functions (by-value functions are pickled at each call: their
-globals may have changed)."""
 
 
 def remote(fn):
