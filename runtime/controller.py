@@ -189,8 +189,7 @@ class Controller(StdinService):
         self._rx_lock = threading.Lock()  # held by the one thread that receives
         self._rx_count_lock = threading.Lock()
         self._rx_waiters = 0  # callers receiving for themselves in wait()
-        self._wait_poller = zmq.Poller()  # used only under _rx_lock
-        self._wait_poller.register(self.pull, zmq.POLLIN)
+        self._rcvtimeo = -1  # the receive socket's RCVTIMEO (ms), set by waiting callers
         self._io = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)
         self._io.start()
         atexit.register(self.shutdown)
@@ -411,8 +410,7 @@ class Controller(StdinService):
                 if not self._rx_lock.acquire(timeout=left):
                     continue
                 try:
-                    if not fut.done() and self._wait_poller.poll(left * 1000):
-                        self._drain()
+                    self._receive_until(fut, left)
                 finally:
                     self._rx_lock.release()
         finally:
@@ -420,62 +418,89 @@ class Controller(StdinService):
                 self._rx_waiters -= 1  # the I/O thread receives again within RX_HANDBACK
         return fut.result(0)
 
+    def _receive_until(self, fut: concurrent.futures.Future, timeout: float) -> None:
+        """Handle replies as they come (blocking receives: fewest system calls) until `fut` is done,
+        `timeout` passes with nothing received, or a worker asks for input (the caller serves it)."""
+        pull = self.pull
+        ms = max(1, int(timeout * 1000))
+        if ms != self._rcvtimeo:
+            pull.setsockopt(zmq.RCVTIMEO, ms)
+            self._rcvtimeo = ms
+        while not fut.done():
+            try:
+                frame = pull.recv(copy=False)
+            except zmq.Again:
+                return
+            frames = [frame]
+            while frame.more:
+                frame = pull.recv(copy=False)
+                frames.append(frame)
+            if self._handle(frames) == "input":
+                return
+
     def _drain(self) -> None:
+        """Handle everything received so far (the I/O thread; also re-arms the socket's notification fd)."""
         pull = self.pull
         while True:
             try:
-                frames = [pull.recv(_NOBLOCK)]
+                frame = pull.recv(_NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            while pull.get(_RCVMORE):
-                frames.append(pull.recv(copy=False))
+            frames = [frame]
+            while frame.more:
+                frame = pull.recv(copy=False)
+                frames.append(frame)
+            self._handle(frames)
+
+    def _handle(self, frames: list) -> str | None:
+        """Act on one message; return its kind."""
+        try:
+            header, body, buffers = wire.decode(self.key, frames)
+        except wire.BadSignature as e:
+            print(f"monarch: dropped a message that failed its signature check ({e})", file=sys.__stderr__)
+            return None
+        kind = header[0]
+        if kind == "result" or kind == "error":
+            _, call_id, _, rank = header
+            pending = self.calls.get(call_id)
+            if pending is None:
+                return kind  # its caller already gave up on it
+            pending.replies[rank] = (kind, body, buffers)
+            if len(pending.replies) == len(pending.ranks):
+                self.calls.pop(call_id, None)
+                if not pending.future.done():
+                    pending.future.set_result(pending.replies)
+                if self.listeners:
+                    self._changed(pending.mesh)
+            return kind
+        if kind == "ready" or kind == "failed":
+            _, mesh_id, rank, data = header
+            mesh = self.meshes.get(mesh_id)
+            if mesh is not None and kind == "ready":
+                mesh.ready[rank] = data
+            elif mesh is not None:
+                mesh.start_error = (rank, data)
+        elif kind == "out" or kind == "display":
+            if kind == "out":
+                _, call_id, mesh_id, rank, stream, text = header
+                data = metadata = None
+            else:
+                _, call_id, mesh_id, rank, data, metadata = header
+                stream, text = "display", ""
+            mesh = self.meshes.get(mesh_id)
+            label = mesh.labels[rank] if mesh else f"rank={rank}"
+            pending = self.calls.get(call_id) if call_id is not None else None
+            sink = pending.output if pending is not None and pending.output is not None else self.output
             try:
-                header, body, buffers = wire.decode(self.key, frames)
-            except wire.BadSignature as e:
-                print(f"monarch: dropped a message that failed its signature check ({e})", file=sys.__stderr__)
-                continue
-            kind = header[0]
-            if kind == "ready" or kind == "failed":
-                _, mesh_id, rank, data = header
-                mesh = self.meshes.get(mesh_id)
-                if mesh is not None and kind == "ready":
-                    mesh.ready[rank] = data
-                elif mesh is not None:
-                    mesh.start_error = (rank, data)
-            elif kind == "out" or kind == "display":
-                if kind == "out":
-                    _, call_id, mesh_id, rank, stream, text = header
-                    data = metadata = None
-                else:
-                    _, call_id, mesh_id, rank, data, metadata = header
-                    stream, text = "display", ""
-                mesh = self.meshes.get(mesh_id)
-                label = mesh.labels[rank] if mesh else f"rank={rank}"
-                pending = self.calls.get(call_id) if call_id is not None else None
-                sink = pending.output if pending is not None and pending.output is not None else self.output
-                try:
-                    sink(OutputEvent(call_id, mesh_id, rank, label, stream, text, data, metadata))
-                except Exception:
-                    traceback.print_exc(file=sys.__stderr__)
-            elif kind == "input":
-                _, call_id, mesh_id, rank, req_id, prompt, password, debugger = header
-                mesh = self.meshes.get(mesh_id)
-                if mesh is not None:
-                    self._on_input(
-                        InputRequest(mesh, rank, mesh.labels[rank], call_id, req_id, prompt, password, debugger)
-                    )
-            elif kind in ("result", "error"):
-                _, call_id, _, rank = header
-                pending = self.calls.get(call_id)
-                if pending is None:
-                    continue  # its caller already gave up on it
-                pending.replies[rank] = (kind, body, buffers)
-                if len(pending.replies) == len(pending.ranks):
-                    self.calls.pop(call_id, None)
-                    if not pending.future.done():
-                        pending.future.set_result(pending.replies)
-                    if self.listeners:
-                        self._changed(pending.mesh)
+                sink(OutputEvent(call_id, mesh_id, rank, label, stream, text, data, metadata))
+            except Exception:
+                traceback.print_exc(file=sys.__stderr__)
+        elif kind == "input":
+            _, call_id, mesh_id, rank, req_id, prompt, password, debugger = header
+            mesh = self.meshes.get(mesh_id)
+            if mesh is not None:
+                self._on_input(InputRequest(mesh, rank, mesh.labels[rank], call_id, req_id, prompt, password, debugger))
+        return kind
 
     def _on_exit(self, mesh: SpawnedMesh, rank: int) -> None:
         code = mesh.procs[rank]._popen.poll()
