@@ -34,11 +34,19 @@ class BadSignature(Exception):
 
 SIG = 32
 _LEN = struct.Struct("<I")
+_MIN = SIG + _LEN.size
+_compare = hmac.compare_digest
+
+
+try:
+    from _hashlib import hmac_digest as _digest  # what hmac.digest calls, without its checks
+except ImportError:
+    _digest = hmac.digest
 
 
 def _sign(key: bytes, parts: list) -> bytes:
     if len(parts) == 1 and len(parts[0]) < 65536:
-        return hmac.digest(key, parts[0], "sha256")  # the common small message: one C call
+        return _digest(key, parts[0], "sha256")  # the common small message: one C call
     h = hmac.new(key, digestmod=hashlib.sha256)
     for p in parts:
         h.update(p)
@@ -149,10 +157,17 @@ def encode(key: bytes, header: tuple, body: list | None = None) -> list:
 
 def decode(key: bytes, frames: list) -> tuple[tuple, memoryview, list]:
     """Check the signature, then return ``(header, body, buffers)``. Nothing is unpickled before."""
-    bufs = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
-    first = bufs[0]
-    if len(first) < SIG + _LEN.size or not hmac.compare_digest(first[:SIG], _sign(key, [first[SIG:], *bufs[1:]])):
+    f = frames[0]
+    first = f.buffer if hasattr(f, "buffer") else memoryview(f)  # a zmq.Frame, or bytes
+    if len(first) < _MIN:
+        raise BadSignature(f"a {len(first)}-byte message is too short to be signed")
+    if len(frames) == 1:
+        bufs = []
+        mac = _sign(key, [first[SIG:]])
+    else:
+        bufs = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames[1:]]
+        mac = _sign(key, [first[SIG:], *bufs])
+    if not _compare(first[:SIG], mac):
         raise BadSignature(f"bad signature on a {len(first)}-byte message")
     (n,) = _LEN.unpack_from(first, SIG)
-    start = SIG + _LEN.size
-    return pickle.loads(first[start : start + n]), first[start + n :], bufs[1:]
+    return pickle.loads(first[_MIN : _MIN + n]), first[_MIN + n :], bufs

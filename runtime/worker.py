@@ -10,6 +10,7 @@ import codecs
 import collections
 import ctypes
 import datetime
+import io
 import itertools
 import linecache
 import math
@@ -32,7 +33,6 @@ from monarch.runtime import context, groups, stdin, wire
 from monarch.runtime.shape import Shape
 
 PR_SET_PDEATHSIG = 1
-_RCVMORE = int(zmq.RCVMORE)
 
 current: Worker | None = None
 """This process's worker (code running on it can send output and ask for input through it)."""
@@ -115,8 +115,10 @@ class Output:
             os.close(w)
             os.set_blocking(r, False)
             self.streams[r] = (name, codecs.getincrementaldecoder("utf-8")("replace"))
-        sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
-        sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+        sys.stdout, sys.stderr = _Stream(1), _Stream(2)
+        self._pending = select.poll()  # is anything written and not yet sent? (one system call)
+        for fd in self.streams:
+            self._pending.register(fd, select.POLLIN)
         threading.Thread(target=self._loop, name="monarch-output", daemon=True).start()
 
     def _loop(self) -> None:
@@ -148,15 +150,36 @@ class Output:
         if not self.streams:
             return
         for f in (sys.stdout, sys.stderr):
-            try:
-                f.flush()
-            except (OSError, ValueError):
-                pass
-        ready, _, _ = select.select(list(self.streams), [], [], 0)
+            if getattr(f, "written", True):  # our streams say whether they hold anything; others are flushed
+                try:
+                    f.written = False
+                    f.flush()
+                except (OSError, ValueError, AttributeError):
+                    pass
+        ready = self._pending.poll(0)
         if ready:
             with self.lock:
-                for fd in ready:
+                for fd, _ in ready:
                     self._drain(fd)
+
+
+class _Stream(io.TextIOWrapper):
+    """`sys.stdout` / `sys.stderr` on a worker: line-buffered onto file descriptor 1 or 2, and
+    remembering whether it was written to, so that a call's end flushes only what needs it."""
+
+    written = False
+
+    def __init__(self, fd: int):
+        super().__init__(
+            io.BufferedWriter(io.FileIO(fd, "w", closefd=False)),
+            encoding="utf-8",
+            errors="backslashreplace",
+            line_buffering=True,
+        )
+
+    def write(self, s: str) -> int:
+        self.written = True
+        return super().write(s)
 
 
 class Worker:
@@ -269,11 +292,13 @@ class Worker:
     def receive(self) -> tuple | None:
         """The next command (header, body, buffers); None for one that failed its signature check."""
         cmd = self.cmd
-        first = cmd.recv()
-        topic = self.to_all if first.startswith(self.to_all) else self.to_me
-        frames = [memoryview(first)[len(topic) :]]
-        while cmd.get(_RCVMORE):
-            frames.append(cmd.recv(copy=False))
+        frame = cmd.recv(copy=False)
+        first = frame.buffer
+        topic = self.to_all if first[: len(self.to_all)] == self.to_all else self.to_me
+        frames = [first[len(topic) :]]
+        while frame.more:
+            frame = cmd.recv(copy=False)
+            frames.append(frame)
         try:
             return wire.decode(self.key, frames)
         except wire.BadSignature as e:
@@ -335,7 +360,7 @@ class Worker:
             call_view = context.CallView(view.coords(ranks.index(self.cfg.rank)), view.size_dict)
             if len(self.views) < 1024:
                 self.views[key] = call_view
-        context.view = context.CallView(dict(call_view.coords), dict(call_view.sizes))
+        context.view = call_view  # read only through current_rank()/current_size(), which copy
         ok, value = True, None
         try:
             fn_blob, sources, args, kwargs = wire.loads(body, buffers)
@@ -351,7 +376,9 @@ class Worker:
                 self.in_user_code = False
         except BaseException as e:
             ok, value = False, _describe(e)
-        if ok:
+        if value is None and ok:
+            body = _NONE
+        elif ok:
             try:
                 body = wire.dumps(value)
             except Exception as e:
@@ -363,6 +390,8 @@ class Worker:
             self.send(("error", call_id, self.cfg.mesh_id, self.cfg.rank), wire.dumps(value))
         self.call_id = None
 
+
+_NONE = wire.dumps(None)
 
 _PLUMBING = {__file__, *(os.path.join(os.path.dirname(__file__), f) for f in ("cells.py", "stdin.py"))}
 """Our frames at the top of a worker traceback; left out so the user's code comes first."""

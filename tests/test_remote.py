@@ -120,6 +120,25 @@ def test_worker_output_reaches_controller_labelled(mesh8, capfd):
         assert f"[host=1,gpu={g}] to stderr\n" in err
 
 
+def test_output_arrives_before_the_result(mesh8):
+    """Everything a call wrote, half lines and C-level writes included, is delivered (to the call's
+    own sink) before its result: a notebook cell shows it in the cell that made it."""
+
+    @monarch.remote
+    def partial():
+        sys.stdout.write("no newline")  # held in the stream's buffer until the call ends
+        os.write(2, b"raw, ")  # straight to the file descriptor
+        print("half", file=sys.stderr, end="")
+
+    for _ in range(3):  # the second and later calls reuse the worker's flushed state
+        got: list = []
+        partial.on(mesh8.slice(host=0))._start((), {}, output=got.append).result()
+        for g in range(4):
+            text = "".join(e.text for e in got if e.label == f"host=0,gpu={g}" and e.stream == "stdout")
+            err = "".join(e.text for e in got if e.label == f"host=0,gpu={g}" and e.stream == "stderr")
+            assert text == "no newline" and err == "raw, half", (text, err)
+
+
 def test_identical_errors_are_grouped_with_ranks(mesh8):
     @monarch.remote
     def fails():
