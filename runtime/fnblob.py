@@ -32,10 +32,9 @@ MAX_DEPTH = 4
 """How deep fingerprints follow by-value functions that call by-value functions."""
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis))
-_by_value: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""function -> (fingerprint, pickle)."""
-_by_reference: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""function -> pickle of its reference."""
+_kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""function -> (fingerprint, pickle), or (_REFERENCE, pickle of its importable reference)."""
+_REFERENCE = object()
 
 
 class _Uncacheable(Exception):
@@ -49,25 +48,29 @@ def function_blob(fn: Callable, reference: Callable[[], Any | None], pickle: Cal
     `fn` must travel by value; `pickle` pickles either.
     """
     try:
-        kept = _by_reference.get(fn)
+        kept = _kept.get(fn)
     except TypeError:  # cannot be weakly referenced (a builtin): nothing to keep
         return pickle(reference() or fn)
     if kept is not None:
-        return kept
-    kept = _by_value.get(fn)
-    fp = fingerprint(fn)
-    if kept is not None and fp is not None and kept[0] == fp:
-        return kept[1]
-    ref = reference() if kept is None else None  # a function once found by value stays by value
-    blob = pickle(ref or fn)
-    if ref is not None:
-        _by_reference[fn] = blob
-    elif fp is not None:
-        _by_value[fn] = (fp, blob)
+        if kept[0] is _REFERENCE:
+            return kept[1]
+        fp = fingerprint(fn)  # a function once found by value stays by value
+        if fp is not None and fp == kept[0]:
+            return kept[1]
+    else:
+        ref = reference()
+        if ref is not None:
+            blob = pickle(ref)
+            _kept[fn] = (_REFERENCE, blob)
+            return blob
+        fp = fingerprint(fn)
+    blob = pickle(fn)
+    if fp is not None:
+        _kept[fn] = (fp, blob)
     return blob
 
 
-def fingerprint(fn: Callable) -> tuple | None:
+def fingerprint(fn: Callable) -> list | None:
     """What a by-value pickle of `fn` captures, or None when some of it could change unseen."""
     if _extract_code_globals is None or not isinstance(fn, types.FunctionType):
         return None
@@ -77,19 +80,33 @@ def fingerprint(fn: Callable) -> tuple | None:
         return None
 
 
-def _function_fp(fn: types.FunctionType, root: types.FunctionType, depth: int) -> tuple:
+def _function_fp(fn: types.FunctionType, root: types.FunctionType, depth: int) -> list:
     if depth > MAX_DEPTH or fn.__dict__:
         raise _Uncacheable
     code = fn.__code__
     glb = fn.__globals__
-    names = tuple(n for n in _extract_code_globals(code) if n in glb)
-    values = tuple(_value_fp(glb[n], root, depth) for n in names)
-    cells = tuple(_value_fp(_cell(c), root, depth) for c in fn.__closure__ or ())
-    defaults = tuple(_value_fp(v, root, depth) for v in fn.__defaults__ or ())
-    kwdefaults = tuple((k, _value_fp(v, root, depth)) for k, v in (fn.__kwdefaults__ or {}).items())
-    modules = len(sys.modules) if any(isinstance(glb[n], types.ModuleType) for n in names) else 0
-    return (code, fn.__name__, fn.__qualname__, fn.__module__, fn.__doc__, names, values, cells, defaults,
-            kwdefaults, modules, _value_fp(tuple(fn.__annotations__.items()), root, depth))  # fmt: skip
+    fp: list = [code, fn.__name__, fn.__qualname__, fn.__module__, fn.__doc__]
+    modules = False
+    for name in _extract_code_globals(code):  # cached by cloudpickle, same order every time
+        if name in glb:
+            v = glb[name]
+            fp += (name, _value_fp(v, root, depth))
+            modules = modules or type(v) is types.ModuleType
+    fp.append("|")  # "|" is no identifier and no value's fingerprint: the parts cannot run together
+    for cell in fn.__closure__ or ():
+        fp.append(_value_fp(_cell(cell), root, depth))
+    fp.append("|")
+    for v in fn.__defaults__ or ():
+        fp.append(_value_fp(v, root, depth))
+    fp.append("|")
+    for k, v in (fn.__kwdefaults__ or {}).items():
+        fp += (k, _value_fp(v, root, depth))
+    fp.append("|")
+    for k, v in fn.__annotations__.items():
+        fp += (k, _value_fp(v, root, depth))
+    if modules:  # cloudpickle ships the submodules imported so far
+        fp.append(len(sys.modules))
+    return fp
 
 
 def _cell(cell) -> Any:

@@ -110,14 +110,26 @@ _SCALARS = (type(None), bool, int, float, str)
 def _plain(obj: Any, depth: int = 0) -> bool:
     """True for small trees of builtin scalars, which the C pickler handles alone (no cloudpickle)."""
     t = type(obj)
-    if t in _SCALARS or (t is bytes and len(obj) < OOB_MIN_BYTES):
+    if t in _SCALARS:
         return True
+    if t is bytes:
+        return len(obj) < OOB_MIN_BYTES
     if depth > 3:
         return False
     if t is tuple or t is list:
-        return len(obj) <= 16 and all(_plain(o, depth + 1) for o in obj)
+        if len(obj) > 16:
+            return False
+        for o in obj:
+            if not _plain(o, depth + 1):
+                return False
+        return True
     if t is dict:
-        return len(obj) <= 16 and all(type(k) is str and _plain(v, depth + 1) for k, v in obj.items())
+        if len(obj) > 16:
+            return False
+        for k, v in obj.items():
+            if type(k) is not str or not _plain(v, depth + 1):
+                return False
+        return True
     return False
 
 
