@@ -15,6 +15,10 @@ WORLD = 0
 # Worker side: group id -> this worker's torch.distributed group (None where it is no member),
 # or the exception raised while creating it.
 _groups: dict[int, Any] = {}
+store: Any = None
+"""Worker side: the controller's torch.distributed store (for groups made after start-up)."""
+timeout: Any = None
+"""Worker side: how long collectives wait (a `datetime.timedelta`)."""
 
 
 class ProcessGroupRef:

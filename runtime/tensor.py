@@ -267,7 +267,7 @@ def _run(mesh, func, args: tuple, kwargs: dict) -> Any:
                 raise _reject(
                     f"{func}: a tensor on mesh {x._mesh._shape.describe()} used inside "
                     f"{mesh._shape.describe()}.activate(); a tensor is used only on the mesh that made it "
-                    "(move it between views of one mesh with t.to_mesh(view))"
+                    "(move it there with t.to_mesh(that_mesh))"
                 )
             if x._stream is not stream or x._lent or x._borrow is not None:
                 _check_stream(func, x, stream, mutating=id(x) in mutated)

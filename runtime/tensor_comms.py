@@ -50,26 +50,45 @@ def reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool = False
 
 
 def to_mesh(t: Tensor, dst) -> Tensor:
-    """`t` moved worker to worker onto `dst`, a view of the same spawned mesh with the same shape.
+    """`t` moved worker to worker onto `dst`, a mesh (or view) with the same sizes.
 
     Pairs workers by position (rank i of t's view sends to rank i of `dst`); pipelined like any op.
+    Between views of one spawned mesh the move uses that mesh's group; between two spawned meshes,
+    a two-worker gloo link per pair, made on first use (through host memory on GPUs).
     """
+    from monarch.runtime.mesh import ProcMesh
+
     if not isinstance(t, Tensor):
         raise TypeError(f"to_mesh: needs a monarch.Tensor, got {type(t).__name__}")
+    if not isinstance(dst, ProcMesh):
+        raise TypeError(f"to_mesh: needs a ProcMesh to move to (from spawn_procs or a view of one), got {dst!r}")
     _check_stream("to_mesh", t, get_active_stream())
     src = t._mesh
-    if dst._spawned is not src._spawned:
-        raise TypeError(
-            f"to_mesh: {dst._shape.describe()} is another spawned mesh; tensors move only between views "
-            f"(slices, renames) of the mesh that made them, here {src._shape.describe()}"
-        )
     if tuple(dst._shape.sizes) != tuple(src._shape.sizes):
         raise ValueError(f"to_mesh: shapes differ: {src._shape.describe()} -> {dst._shape.describe()}")
+    if dst._spawned is not src._spawned:
+        return _to_other_mesh(t, src, dst)
     engine = _engine(src._spawned)
     out = _new(engine, dst, tuple(t.shape), t.dtype, t.device)
     pairs = list(zip(src._shape.ranks, dst._shape.ranks))
     ranks = tuple(sorted(set(src._shape.ranks) | set(dst._shape.ranks)))
     engine.push(ranks, ("to_mesh", t._ref, out._ref, pairs, tuple(t.shape), t.dtype, _where()))
+    return out
+
+
+def _to_other_mesh(t: Tensor, src, dst) -> Tensor:
+    for m in (src, dst):
+        if m._spawned.state != "running":
+            _check_alive("to_mesh", m._spawned)
+    src_engine, dst_engine = _engine(src._spawned), _engine(dst._spawned)
+    out = _new(dst_engine, dst, tuple(t.shape), t.dtype, t.device)
+    a, b = src._spawned.mesh_id, dst._spawned.mesh_id
+    links = [(s, d, f"{a}.{s}>{b}.{d}") for s, d in zip(src._shape.ranks, dst._shape.ranks)]
+    where = _where()
+    src_engine.push(src._shape.ranks, ("send_to", t._ref, links, tuple(t.shape), t.dtype, where))
+    dst_engine.push(dst._shape.ranks, ("recv_from", out._ref, links, tuple(t.shape), t.dtype, where))
+    src_engine.flush()  # both halves on the wire now: a sender never waits on a receive still queued here
+    dst_engine.flush()
     return out
 
 

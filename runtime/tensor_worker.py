@@ -201,6 +201,10 @@ def _run_one(cmd: tuple) -> None:
         _reduce(*cmd[1:])
     elif kind == "to_mesh":
         _to_mesh(*cmd[1:])
+    elif kind == "send_to":
+        _send_to(*cmd[1:])
+    elif kind == "recv_from":
+        _recv_from(*cmd[1:])
     elif kind == "del":
         for i in cmd[1]:
             _table.pop(i, None)
@@ -297,6 +301,56 @@ def _to_mesh(src: int, out: int, pairs: list, shape: tuple, dtype, where: str) -
     if incoming is not None:
         flag, data = incoming
         _table[out] = data if not flag.item() else Poison("RuntimeError", "the source value failed", "", where)
+
+
+_links: dict[str, Any] = {}
+"""Two-worker gloo groups to workers of other spawned meshes, by link name."""
+
+
+def _link(name: str, rank: int) -> Any:
+    """The link `name` (sender rank 0, receiver rank 1); the first use waits for the other side."""
+    pg = _links.get(name)
+    if pg is None:
+        store = dist.PrefixStore(f"monarch/link/{name}/", groups.store)
+        pg = _links[name] = dist.ProcessGroupGloo(store, rank, 2, groups.timeout)
+    return pg
+
+
+def _send_to(src: int, links: list, shape: tuple, dtype, where: str) -> None:
+    """This worker's half of a move to another spawned mesh; a poisoned source sends a flag."""
+    me = context.worker.rank if context.worker is not None else 0
+    for s, _, name in links:
+        if s != me:
+            continue
+        v = _table.get(src)
+        bad = isinstance(v, Poison) or not isinstance(v, torch.Tensor)
+        data = torch.zeros(shape, dtype=dtype) if bad else v.detach().to("cpu").contiguous()
+        try:
+            pg = _link(name, 0)
+            pg.send([torch.tensor([1 if bad else 0])], 1, 0).wait()
+            pg.send([data], 1, 1).wait()
+        except Exception:
+            traceback.print_exc()  # the receiver poisons its value; this one stays as it was
+
+
+def _recv_from(out: int, links: list, shape: tuple, dtype, where: str) -> None:
+    me = context.worker.rank if context.worker is not None else 0
+    device = context.worker.device if context.worker is not None else torch.device("cpu")
+    for _, d, name in links:
+        if d != me:
+            continue
+        flag, data = torch.zeros(1, dtype=torch.long), torch.empty(shape, dtype=dtype)
+        try:
+            pg = _link(name, 1)
+            pg.recv([flag], 0, 0).wait()
+            pg.recv([data], 0, 1).wait()
+        except Exception as e:
+            _table[out] = Poison(type(e).__qualname__, str(e), traceback.format_exc(), where)
+            continue
+        if flag.item():
+            _table[out] = Poison("RuntimeError", "the source value (on the other mesh) failed", "", where)
+        else:
+            _table[out] = data.to(device)
 
 
 def fetch(ref_id: int) -> torch.Tensor:

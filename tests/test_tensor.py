@@ -204,6 +204,41 @@ def test_to_mesh_pipelines_between_slices(mesh):
         y.to_mesh(mesh)
 
 
+def test_to_mesh_between_spawned_meshes(mesh):
+    """Two separately spawned meshes of one shape: values move worker to worker and back; a failed
+    value arrives poisoned and both meshes keep serving."""
+    from monarch.actor import this_host
+
+    other = this_host().spawn_procs({"host": 2, "gpu": 2})
+    try:
+        with mesh.activate():
+            x = torch.rand(3, 4) + torch.arange(3.0).reshape(3, 1)
+            bad = torch.rand(2, 1024**4 * 8)  # fails on the workers
+        moved = x.to_mesh(other)
+        assert moved.mesh is other
+        with other.activate():
+            y = moved * 2
+        back = y.to_mesh(mesh)
+        with mesh.activate():
+            z = back - x
+        for c, _ in mesh._shape.points():
+            assert torch.equal(monarch.inspect(y, **c), monarch.inspect(x, **c) * 2)
+            assert torch.allclose(monarch.inspect(z, **c), monarch.inspect(x, **c))
+        poisoned = bad.to_mesh(other)
+        with pytest.raises(Exception, match="failed"):
+            monarch.inspect(poisoned)
+        with other.activate():
+            fine = torch.ones(2) * 3
+        assert monarch.inspect(fine).tolist() == [3.0, 3.0]
+        with pytest.raises(ValueError, match="shapes differ"):
+            x.to_mesh(other.slice(host=0))
+        with pytest.raises(TypeError, match="used only on the mesh that made it"):
+            with other.activate():
+                x + 1
+    finally:
+        other.exit()
+
+
 def test_ddp_with_grad_generator_trains(mesh):
     dp = mesh.flatten("dp")
     with dp.activate():
