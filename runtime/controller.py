@@ -404,6 +404,7 @@ class Controller(StdinService):
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._rx_count_lock:
             self._rx_waiters += 1
+        spin = bool(SPIN)  # poll first; after a quiet stretch, just sleep
         try:
             while not fut.done():
                 if self.stdin_queue and self.serve_stdin():
@@ -414,7 +415,7 @@ class Controller(StdinService):
                 if not self._rx_lock.acquire(timeout=left):
                     continue
                 try:
-                    self._receive_until(fut, left)
+                    spin = self._receive_until(fut, left, spin) and bool(SPIN)
                 finally:
                     self._rx_lock.release()
         finally:
@@ -422,27 +423,31 @@ class Controller(StdinService):
                 self._rx_waiters -= 1  # the I/O thread receives again within RX_HANDBACK
         return fut.result(0)
 
-    def _receive_until(self, fut: concurrent.futures.Future, timeout: float) -> None:
+    def _receive_until(self, fut: concurrent.futures.Future, timeout: float, spin: bool) -> bool:
         """Handle replies as they come (blocking receives: fewest system calls) until `fut` is done,
-        `timeout` passes with nothing received, or a worker asks for input (the caller serves it)."""
+        `timeout` passes with nothing received, or a worker asks for input (the caller serves it).
+
+        With `spin`, poll for `SPIN` seconds before each sleep. False when the time ran out."""
         pull = self.pull
         ms = max(1, int(timeout * 1000))
         if ms != self._rcvtimeo:
             pull.setsockopt(zmq.RCVTIMEO, ms)
             self._rcvtimeo = ms
         while not fut.done():
-            frame = _poll_briefly(pull) if SPIN else None
+            frame = _poll_briefly(pull) if spin else None
             if frame is None:
                 try:
                     frame = pull.recv(copy=False)
                 except zmq.Again:
-                    return
+                    return False
+            spin = bool(SPIN)  # replies come in bursts: poll for the next one
             frames = [frame]
             while frame.more:
                 frame = pull.recv(copy=False)
                 frames.append(frame)
             if self._handle(frames) == "input":
-                return
+                return True
+        return True
 
     def _drain(self) -> None:
         """Handle everything received so far (the I/O thread; also re-arms the socket's notification fd)."""
