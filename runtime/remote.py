@@ -174,22 +174,22 @@ class RemoteFunction:
         controller = spawned.controller
         fn = self._fn
         blob = fnblob.function_blob(fn, lambda: _by_reference(self), lambda obj: _pickle(obj, "function", fn))
-        known = spawned.fns.get(blob)
-        if known is None:
-            known = spawned.fns[blob] = (len(spawned.fns) + 1, set())
-        fid, have = known
-        ranks = shape.ranks
-        ship = not have.issuperset(ranks)
-        body = _pickle(
-            (blob if ship else None, _sources(self._fn) if ship else None, args, kwargs), "arguments", self._fn
-        )
-        have.update(ranks)
-        names, sizes = shape.names, shape.sizes
+        ranks, names, sizes = shape.ranks, shape.names, shape.sizes
+        # Whether the workers have the function yet, and the send that ships it, are one step: a call
+        # from another thread must not overtake the message that carries the function.
+        with spawned.ship_lock:
+            known = spawned.fns.get(blob)
+            if known is None:
+                known = spawned.fns[blob] = (len(spawned.fns) + 1, set())
+            fid, have = known
+            ship = not have.issuperset(ranks)
+            body = _pickle((blob if ship else None, _sources(fn) if ship else None, args, kwargs), "arguments", fn)
 
-        def frames_for(call_id: int) -> list:
-            return wire.encode(controller.key, ("call", call_id, fid, names, sizes, ranks), body)
+            def frames_for(call_id: int) -> list:
+                return wire.encode(controller.key, ("call", call_id, fid, names, sizes, ranks), body)
 
-        pending = controller.call(spawned, ranks, frames_for, no_stdin, output)
+            pending = controller.call(spawned, ranks, frames_for, no_stdin, output)
+            have.update(ranks)
         return Future(pending, shape, name or self.__name__)
 
     def __repr__(self) -> str:

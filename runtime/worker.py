@@ -150,12 +150,14 @@ class Output:
         if not self.streams:
             return
         for f in (sys.stdout, sys.stderr):
-            if getattr(f, "written", True):  # our streams say whether they hold anything; others are flushed
-                try:
-                    f.written = False
-                    f.flush()
-                except (OSError, ValueError, AttributeError):
-                    pass
+            if type(f) is _Stream:  # ours say whether they hold anything; a stream the user set is flushed
+                if not f.written:
+                    continue
+                f.written = False
+            try:
+                f.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
         ready = self._pending.poll(0)
         if ready:
             with self.lock:

@@ -90,6 +90,27 @@ def test_calls_from_two_threads(mesh8):
     assert all(out[i][j] == [i * 100 + j] * 8 for i in range(3) for j in range(20))
 
 
+def test_threads_racing_a_new_function_all_find_it_shipped(mesh8):
+    """The call that ships a function to the workers is never overtaken by another thread's call."""
+    for round_ in range(15):
+        f = monarch.remote(eval(f"lambda x: x + {round_}"))  # a new function each round
+        start = threading.Barrier(4)
+        got, errors = [], []
+
+        def call(i, f=f, start=start, got=got, errors=errors):
+            start.wait()
+            try:
+                got.append(list(f.on(mesh8)(i)))
+            except Exception as e:
+                errors.append(e)
+
+        ts = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+        [t.start() for t in ts]
+        [t.join(60) for t in ts]
+        assert not errors, errors[0]
+        assert sorted(v[0] for v in got) == [i + round_ for i in range(4)]
+
+
 def test_tensors_round_trip_out_of_band(mesh8):
     x = torch.arange(1 << 16, dtype=torch.float32)
     half = torch.randn(300, 7).to(torch.bfloat16)
