@@ -121,8 +121,9 @@ class SpawnedMesh:
     all_exited: threading.Event = field(default_factory=threading.Event)
     fns: dict[bytes, tuple[int, set[int]]] = field(default_factory=dict)
     """Pickled function -> (function id, ranks that have it)."""
-    ship_lock: threading.Lock = field(default_factory=threading.Lock)
-    """Held from deciding to ship a function with a call until that call is sent."""
+    order_lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held from deciding what the workers lack (a function, a group) until the message that brings it
+    is sent, so that no message relying on it, from another thread, overtakes it."""
     groups: dict[tuple, int] = field(default_factory=dict)
     """Rank partition -> group id."""
 

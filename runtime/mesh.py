@@ -103,13 +103,17 @@ class ProcMesh:
         partition = tuple(self._shape.partition(dims_t))
         spawned = self._spawned
         everyone = (tuple(range(len(spawned.procs))),)
-        gid = WORLD if partition == everyone else spawned.groups.get(partition)
-        if gid is None:
-            from monarch.runtime import wire
+        if partition == everyone:
+            return ProcessGroupRef(WORLD, dims_t, self._shape.describe())
+        with spawned.order_lock:  # a call that uses the group goes out after the message that makes it
+            gid = spawned.groups.get(partition)
+            if gid is None:
+                from monarch.runtime import wire
 
-            gid = spawned.groups[partition] = len(spawned.groups) + 1
-            frames = wire.encode(spawned.controller.key, ("groups", gid, partition))
-            spawned.controller.send(spawned, everyone[0], frames)
+                gid = len(spawned.groups) + 1
+                frames = wire.encode(spawned.controller.key, ("groups", gid, partition))
+                spawned.controller.send(spawned, everyone[0], frames)
+                spawned.groups[partition] = gid
         return ProcessGroupRef(gid, dims_t, self._shape.describe())
 
     @contextlib.contextmanager

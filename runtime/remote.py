@@ -177,7 +177,7 @@ class RemoteFunction:
         ranks, names, sizes = shape.ranks, shape.names, shape.sizes
         # Whether the workers have the function yet, and the send that ships it, are one step: a call
         # from another thread must not overtake the message that carries the function.
-        with spawned.ship_lock:
+        with spawned.order_lock:
             known = spawned.fns.get(blob)
             if known is None:
                 known = spawned.fns[blob] = (len(spawned.fns) + 1, set())
