@@ -159,10 +159,9 @@ class Output:
             except (OSError, ValueError, AttributeError):
                 pass
         ready = self._pending.poll(0)
-        if ready:
-            with self.lock:
-                for fd, _ in ready:
-                    self._drain(fd)
+        with self.lock:  # even with nothing ready: the output thread may hold text it read but has not sent
+            for fd, _ in ready:
+                self._drain(fd)
 
 
 class _Stream(io.TextIOWrapper):

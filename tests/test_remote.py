@@ -160,6 +160,21 @@ def test_output_arrives_before_the_result(mesh8):
             assert text == "no newline" and err == "raw, half", (text, err)
 
 
+def test_output_of_every_call_arrives_before_its_result(mesh8):
+    """Whole lines wake the worker's output thread at once; the call's end must wait for it."""
+
+    @monarch.remote
+    def say(i):
+        print("line", i)
+
+    view = mesh8.slice(host=1)
+    for i in range(400):
+        got: list = []
+        say.on(view)._start((i,), {}, output=got.append).result()
+        texts = sorted("".join(e.text for e in got if e.rank == r) for r in view._shape.ranks)
+        assert texts == [f"line {i}\n"] * 4, (i, texts)
+
+
 def test_identical_errors_are_grouped_with_ranks(mesh8):
     @monarch.remote
     def fails():
