@@ -51,21 +51,19 @@ def function_blob(fn: Callable, reference: Callable[[], Any | None], pickle: Cal
         kept = _kept.get(fn)
     except TypeError:  # cannot be weakly referenced (a builtin): nothing to keep
         return pickle(reference() or fn)
-    if kept is not None:
-        if kept[0] is _REFERENCE:
-            return kept[1]
+    if kept is not None and kept[0] is not _REFERENCE:
         fp = fingerprint(fn)  # a function once found by value stays by value
         if fp is not None and fp == kept[0]:
             return kept[1]
     else:
-        ref = reference()
+        ref = reference()  # again each time: a reloaded module may no longer hold this very function
         if ref is not None:
-            blob = pickle(ref)
-            _kept[fn] = (_REFERENCE, blob)
-            return blob
+            if kept is None:
+                kept = _kept[fn] = (_REFERENCE, pickle(ref))
+            return kept[1]
         fp = fingerprint(fn)
     blob = pickle(fn)
-    if fp is not None:
+    if fp is not None and fingerprint(fn) == fp:  # nothing changed while it was pickled (another thread)
         _kept[fn] = (fp, blob)
     return blob
 
@@ -76,7 +74,7 @@ def fingerprint(fn: Callable) -> list | None:
         return None
     try:
         return _function_fp(fn, fn, 0)
-    except _Uncacheable:
+    except (_Uncacheable, RecursionError):
         return None
 
 
@@ -85,7 +83,8 @@ def _function_fp(fn: types.FunctionType, root: types.FunctionType, depth: int) -
         raise _Uncacheable
     code = fn.__code__
     glb = fn.__globals__
-    fp: list = [code, fn.__name__, fn.__qualname__, fn.__module__, fn.__doc__]
+    fp: list = [_Same(code), fn.__name__, fn.__qualname__, fn.__module__, fn.__doc__]
+    fp += (repr(glb.get(k)) for k in ("__package__", "__name__", "__path__", "__file__"))  # cloudpickle ships these
     modules = False
     for name in _extract_code_globals(code):  # cached by cloudpickle, same order every time
         if name in glb:
@@ -94,7 +93,9 @@ def _function_fp(fn: types.FunctionType, root: types.FunctionType, depth: int) -
             modules = modules or type(v) is types.ModuleType
     fp.append("|")  # "|" is no identifier and no value's fingerprint: the parts cannot run together
     for cell in fn.__closure__ or ():
-        fp.append(_value_fp(_cell(cell), root, depth))
+        v = _cell(cell)
+        fp.append(_value_fp(v, root, depth))
+        modules = modules or type(v) is types.ModuleType
     fp.append("|")
     for v in fn.__defaults__ or ():
         fp.append(_value_fp(v, root, depth))
@@ -105,7 +106,7 @@ def _function_fp(fn: types.FunctionType, root: types.FunctionType, depth: int) -
     for k, v in fn.__annotations__.items():
         fp += (k, _value_fp(v, root, depth))
     if modules:  # cloudpickle ships the submodules imported so far
-        fp.append(len(sys.modules))
+        fp.append(_modules_version())
     return fp
 
 
@@ -126,7 +127,14 @@ def _value_fp(v: Any, root: types.FunctionType, depth: int) -> Any:
         return (t, tuple(_value_fp(x, root, depth) for x in v))
     if v is root:
         return ("self",)  # recursion: no reference to the key, or the cache entry would never die
-    if t is types.ModuleType or t is types.BuiltinFunctionType:
+    if t is types.ModuleType:
+        if not _should_pickle_by_reference(v):
+            raise _Uncacheable  # a module pickled by value: its whole namespace travels
+        return _Same(v)
+    if t is types.BuiltinFunctionType:
+        owner = getattr(v, "__self__", None)
+        if not (owner is None or (type(owner) is types.ModuleType and _should_pickle_by_reference(owner))):
+            raise _Uncacheable  # a bound builtin method (`d.get`) pickles its object by value
         return _Same(v)
     if t is types.FunctionType:
         if _should_pickle_by_reference(v):
@@ -138,24 +146,36 @@ def _value_fp(v: Any, root: types.FunctionType, depth: int) -> Any:
 
 
 class _Same:
-    """Compares by identity: the captured object must be the very same one."""
+    """Compares by identity: the captured object must be the very same one. Holds it weakly where it
+    can, so a kept fingerprint never keeps a function (and so its own cache entry) alive."""
 
-    __slots__ = ("obj",)
+    __slots__ = ("ref",)
 
     def __init__(self, obj: Any):
-        self.obj = obj
+        try:
+            self.ref = weakref.ref(obj)
+        except TypeError:  # builtins, code objects: they live as long as their module anyway
+            self.ref = lambda: obj
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Same) and other.obj is self.obj
+        if not isinstance(other, _Same):
+            return False
+        mine = self.ref()
+        return mine is not None and mine is other.ref()
 
     __hash__ = None  # type: ignore[assignment]
 
 
+def _modules_version() -> tuple:
+    """Changes whenever a module is imported: the count, and the newest name (dicts keep order)."""
+    return (len(sys.modules), next(reversed(sys.modules), None))
+
+
 # -- cloudpickle's submodule scan, remembered -------------------------------------------------------
 def _remember_submodule_scan() -> None:
-    holder = next(
+    holder = next(  # the module whose _function_getstate calls it (cloudpickle_fast in 2.x; in 3.x a shim)
         (m for m in (sys.modules.get("cloudpickle.cloudpickle_fast"), sys.modules.get("cloudpickle.cloudpickle"))
-         if m is not None and hasattr(m, "_function_getstate") and hasattr(m, "_find_imported_submodules")),
+         if m is not None and "_function_getstate" in vars(m) and "_find_imported_submodules" in vars(m)),
         None,
     )  # fmt: skip
     if holder is None or getattr(holder._find_imported_submodules, "_monarch", False):
@@ -170,7 +190,7 @@ def _remember_submodule_scan() -> None:
         )
         if not packages:
             return []
-        key = (code, packages, len(sys.modules))
+        key = (code, packages, _modules_version())
         found = seen.get(key)
         if found is None:
             if len(seen) > 4096:

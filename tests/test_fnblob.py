@@ -89,3 +89,51 @@ def test_submodules_are_still_shipped_when_the_scan_is_remembered():
     r = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, timeout=60)
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout.decode().strip() == "Future"
+
+
+def test_captured_objects_pickled_by_value_are_never_reused():
+    """A bound builtin method (`cfg.get`) carries its dict; a module made in the notebook carries its
+    namespace: both change unseen, so such functions are pickled at every call."""
+    ns = notebook(
+        "import types\ncfg = {'lr': 0.1}\nget = cfg.get\nmod = types.ModuleType('scratch')\nmod.k = 1\n"
+        "def f():\n    return get('lr')\n"
+        "def g():\n    return mod.k\n"
+    )
+    assert run(blob(ns["f"])) == 0.1 and run(blob(ns["g"])) == 1
+    ns["cfg"]["lr"] = 0.5
+    ns["mod"].k = 2
+    assert run(blob(ns["f"])) == 0.5 and run(blob(ns["g"])) == 2
+    assert fnblob.fingerprint(ns["f"]) is None and fnblob.fingerprint(ns["g"]) is None
+
+
+def test_a_change_while_pickling_is_not_kept_under_the_old_fingerprint():
+    ns = notebook("mode = 1\ndef f():\n    return mode\n")
+
+    def pickle_while_another_thread_changes_mode(obj):
+        ns["mode"] = 2
+        return cloudpickle.dumps(obj, protocol=5)
+
+    fnblob.function_blob(ns["f"], lambda: None, pickle_while_another_thread_changes_mode)
+    ns["mode"] = 1
+    assert run(blob(ns["f"])) == 1
+
+
+def test_fingerprints_do_not_keep_functions_alive_and_deep_values_do_not_fail():
+    ns = notebook(
+        "def make(n):\n"
+        "    def f(x):\n        return x if x <= 0 else g(x - 1)\n"
+        "    def g(x):\n        return f(x)\n"
+        "    return f\n"
+        "deep = ()\n"
+        "for _ in range(600):\n    deep = (deep,)\n"
+        "def h():\n    return len(deep)\n"
+    )
+    refs = []
+    for i in range(3):
+        f = ns["make"](i)
+        assert run(blob(f), 2) == 0
+        refs.append(weakref.ref(f))
+        del f
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]  # mutual recursion through a closure: still freed
+    assert run(blob(ns["h"])) == 1  # too deep to fingerprint: pickled, not an error
