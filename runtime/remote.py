@@ -102,7 +102,7 @@ class Future(Generic[T]):
         for rank, (kind, body, buffers) in list(pending.replies.items()):
             if kind == "error":
                 try:
-                    raw.append((rank, labels[rank], wire.loads(body, buffers)))
+                    raw.append((rank, labels[rank], _loads(body, buffers)))
                 except Exception:
                     pass
         busy = sorted(set(self._shape.ranks) - set(pending.replies))
@@ -120,7 +120,7 @@ class Future(Generic[T]):
         for rank in self._shape.ranks:
             kind, body, buffers = replies[rank]
             try:
-                obj = wire.loads(body, buffers)
+                obj = _loads(body, buffers)
             except Exception as e:
                 failed.append((rank, labels[rank], (type(e).__qualname__, f"result cannot be unpickled here: {e}", "")))
                 continue
@@ -131,6 +131,18 @@ class Future(Generic[T]):
         if failed:
             raise RemoteError(self._name, group_failures(failed), len(self._shape))
         return ValueMesh(self._shape, values)
+
+
+def _loads(body, buffers) -> Any:
+    """Unpickle a result as local objects, also inside `mesh.activate()` (whose capture would turn
+    the tensors being rebuilt into commands for the workers)."""
+    tensor = sys.modules.get("monarch.runtime.tensor")
+    if tensor is None or tensor._capturing.get() is None:
+        return wire.loads(body, buffers)
+    import torch
+
+    with torch.utils._python_dispatch._disable_current_modes():
+        return wire.loads(body, buffers)
 
 
 class RemoteFunction:
@@ -178,15 +190,21 @@ class RemoteFunction:
         # Whether the workers have the function yet, and the send that ships it, are one step: a call
         # from another thread must not overtake the message that carries the function.
         with spawned.order_lock:
+            engine = getattr(spawned, "engine", None)
+            if engine is not None and engine.batches:
+                engine.flush()  # tensor commands issued before this call run before it
             known = spawned.fns.get(blob)
             if known is None:
                 known = spawned.fns[blob] = (len(spawned.fns) + 1, set())
             fid, have = known
             ship = not have.issuperset(ranks)
-            body = _pickle((blob if ship else None, _sources(fn) if ship else None, args, kwargs), "arguments", fn)
+            body = _pickle((args, kwargs), "arguments", fn)
+            # The function travels in the header (plain bytes), apart from the arguments: a worker keeps
+            # it even when the arguments fail to unpickle there.
+            shipped = (blob, _sources(fn)) if ship else (None, None)
 
             def frames_for(call_id: int) -> list:
-                return wire.encode(controller.key, ("call", call_id, fid, names, sizes, ranks), body)
+                return wire.encode(controller.key, ("call", call_id, fid, names, sizes, ranks, *shipped), body)
 
             pending = controller.call(spawned, ranks, frames_for, no_stdin, output)
             have.update(ranks)

@@ -43,7 +43,8 @@ class Engine:
         self.spawned = spawned
         self.ids = itertools.count(1)
         self.batches: dict[tuple[int, ...], list] = {}
-        self.dead: list[int] = []
+        self.dead: list[tuple] = []
+        """Freed handles not yet sent: (ranks, stream id, ref)."""
         self.lock = threading.RLock()
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
         self.specs: dict[tuple, Any] = {}
@@ -73,31 +74,41 @@ class Engine:
                 self._send(ranks)
 
     def _send(self, ranks: tuple[int, ...]) -> None:
-        batch = self.batches.pop(ranks, [])
-        if self.dead:
-            by_stream: dict[int, list[int]] = {}
-            for sid, ref in self.dead:
-                by_stream.setdefault(sid, []).append(ref)
-            for sid, refs in by_stream.items():
-                batch.append(("del", refs) if sid == 0 else ("s", sid, ("del", refs)))
-            self.dead = []
-        if not batch or self.spawned.state != "running":
+        batches = {ranks: self.batches.pop(ranks, [])}
+        dead, self.dead = self.dead, []  # one step: a free from another thread (GC) lands in one list or the other
+        if dead:
+            # Frees go to the workers that hold the value, on the stream that owns it. Other rank sets have
+            # no commands pending (push sends them before it switches), so theirs can go now.
+            by_owner: dict[tuple, list[int]] = {}
+            for owner_ranks, sid, ref in dead:
+                by_owner.setdefault((owner_ranks, sid), []).append(ref)
+            for (owner_ranks, sid), refs in by_owner.items():
+                batches.setdefault(owner_ranks, []).append(("del", refs) if sid == 0 else ("s", sid, ("del", refs)))
+        if self.spawned.state != "running":
             return
-        everyone = tuple(range(len(self.spawned.procs)))
         controller = self.spawned.controller
-        with torch.utils._python_dispatch._disable_current_modes():
-            frames = wire.encode(controller.key, ("ops",), wire.dumps(batch))
-        controller.send(self.spawned, ranks if ranks != everyone else everyone, frames)
+        for to, batch in batches.items():
+            if batch:
+                with torch.utils._python_dispatch._disable_current_modes():
+                    frames = wire.encode(controller.key, ("ops",), wire.dumps(batch))
+                controller.send(self.spawned, to, frames)
 
-    def free(self, ref: int, stream_id: int = 0) -> None:
-        self.dead.append((stream_id, ref))  # sent with the next batch, run on the stream that owns it
+    def free(self, ref: int, stream_id: int, ranks: tuple[int, ...]) -> None:
+        """Free `ref` on `ranks` (sent with the next batch, run on the stream that owns it); any thread."""
+        self.dead.append((ranks, stream_id, ref))
 
 
 def _engine(spawned) -> Engine:
     engine = getattr(spawned, "engine", None)
     if engine is None:
-        engine = spawned.engine = Engine(spawned)
+        with _engines_lock:  # two threads starting on one mesh must share one engine (one id counter)
+            engine = getattr(spawned, "engine", None)
+            if engine is None:
+                engine = spawned.engine = Engine(spawned)
     return engine
+
+
+_engines_lock = threading.Lock()
 
 
 class Tensor(torch.Tensor):
@@ -147,7 +158,7 @@ class Tensor(torch.Tensor):
     def __del__(self) -> None:
         engine = self._engine_ref() if hasattr(self, "_engine_ref") else None
         if engine is not None and self._ref >= 0 and self._borrow is None:  # a borrowed view shares its origin's
-            engine.free(self._ref, self._stream.id)
+            engine.free(self._ref, self._stream.id, self._mesh._shape.ranks)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

@@ -283,10 +283,12 @@ class Worker:
                     self._call(header, body, buffers)
                 elif kind == "groups":
                     groups.create(header[1], self.cfg.rank, header[2])
+                    self.output.flush()  # what it printed belongs to no call: send it before the next one starts
                 elif kind == "ops":
                     from monarch.runtime import tensor_worker
 
                     tensor_worker.run(wire.loads(body, buffers))
+                    self.output.flush()
             except Exception:  # a bug of ours: report it, keep serving
                 traceback.print_exc()
         self._close()
@@ -353,7 +355,7 @@ class Worker:
 
     # -- live functions ----------------------------------------------------------------------------
     def _call(self, header: tuple, body, buffers: list) -> None:
-        _, call_id, fid, names, sizes, ranks = header
+        _, call_id, fid, names, sizes, ranks, fn_blob, sources = header
         self.call_id = call_id
         key = (names, sizes, ranks)
         call_view = self.views.get(key)
@@ -365,12 +367,18 @@ class Worker:
         context.view = call_view  # read only through current_rank()/current_size(), which copy
         ok, value = True, None
         try:
-            fn_blob, sources, args, kwargs = wire.loads(body, buffers)
             if fn_blob is not None:
-                self.fns[fid] = cloudpickle.loads(fn_blob)
                 for filename, lines in (sources or {}).items():
                     linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+                try:
+                    self.fns[fid] = cloudpickle.loads(fn_blob)
+                except BaseException as e:
+                    self.fns[fid] = e  # shipped once: later calls report the same failure
+                    raise
             fn = self.fns[fid]
+            if isinstance(fn, BaseException):
+                raise RuntimeError(f"this function could not be loaded on this worker: {type(fn).__name__}: {fn}")
+            args, kwargs = wire.loads(body, buffers)
             self.in_user_code = True
             try:
                 value = fn(*args, **kwargs)
