@@ -173,6 +173,12 @@ class Controller(StdinService):
             raise ValueError(f"MONARCH_TRANSPORT={transport!r}; use 'ipc' or 'tcp'")
         self.cmd_addr = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.reply_addr = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        # An empty message on the reply socket wakes whoever receives (a call failed from another thread).
+        self.pull.bind(f"inproc://monarch-wake-{id(self)}")
+        self._waker = self.zctx.socket(zmq.PUSH)
+        self._waker.setsockopt(zmq.LINGER, 0)
+        self._waker.connect(f"inproc://monarch-wake-{id(self)}")
+        self._waker_lock = threading.Lock()
         self.pub_lock = threading.Lock()
         self.spawn_lock = threading.Lock()
         self.meshes: dict[int, SpawnedMesh] = {}
@@ -193,7 +199,7 @@ class Controller(StdinService):
         self._closed = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
-        self._rx_lock = threading.Lock()  # held by the one thread that receives
+        self._rx_lock = threading.RLock()  # held by the one thread that receives (an RLock: see wait())
         self._rx_count_lock = threading.Lock()
         self._rx_waiters = 0  # callers receiving for themselves in wait()
         self._rcvtimeo = -1  # the receive socket's RCVTIMEO (ms), set by waiting callers
@@ -351,8 +357,18 @@ class Controller(StdinService):
             pending.future.set_exception(error)
         except concurrent.futures.InvalidStateError:
             pass
+        self._poke()
         if self.listeners:
             self._changed(pending.mesh)
+
+    def _poke(self) -> None:
+        """Wake a caller blocked receiving, so it sees that its call ended (failed) at once."""
+        with self._waker_lock:
+            if not self._closed:
+                try:
+                    self._waker.send(b"", zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # plenty of pokes already queued
 
     def _wake(self) -> None:
         try:
@@ -405,25 +421,33 @@ class Controller(StdinService):
         """
         fut = pending.future
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._rx_count_lock:
-            self._rx_waiters += 1
         spin = bool(SPIN)  # poll first; after a quiet stretch, just sleep
+        counted = False
         try:
+            with self._rx_count_lock:
+                self._rx_waiters += 1
+                counted = True  # no call between these two lines: Ctrl-C cannot fall between them
             while not fut.done():
                 if self.stdin_queue and self.serve_stdin():
                     continue
                 left = 0.02 if deadline is None else min(0.02, deadline - time.monotonic())
                 if left <= 0:
                     break
-                if not self._rx_lock.acquire(timeout=left):
+                if not self._rx_lock.acquire(blocking=False):
+                    # another caller receives, our replies included: wait for our call, and look again
+                    # soon in case that caller is done before we are
+                    concurrent.futures.wait([fut], timeout=min(left, 0.002))
                     continue
                 try:
                     spin = self._receive_until(fut, left, spin) and bool(SPIN)
                 finally:
                     self._rx_lock.release()
         finally:
-            with self._rx_count_lock:
-                self._rx_waiters -= 1  # the I/O thread receives again within RX_HANDBACK
+            if self._rx_lock._is_owned():  # Ctrl-C right after acquire(), before its try: still ours
+                self._rx_lock.release()
+            if counted:
+                with self._rx_count_lock:
+                    self._rx_waiters -= 1  # the I/O thread receives again within RX_HANDBACK
         return fut.result(0)
 
     def _receive_until(self, fut: concurrent.futures.Future, timeout: float, spin: bool) -> bool:
@@ -443,6 +467,8 @@ class Controller(StdinService):
                     frame = pull.recv(copy=False)
                 except zmq.Again:
                     return False
+            if not frame.more and len(frame) == 0:  # a poke: look at our call again
+                continue
             spin = bool(SPIN)  # replies come in bursts: poll for the next one
             frames = [frame]
             while frame.more:
@@ -460,6 +486,8 @@ class Controller(StdinService):
                 frame = pull.recv(_NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            if not frame.more and len(frame) == 0:
+                continue  # a poke for a waiting caller that already left
             frames = [frame]
             while frame.more:
                 frame = pull.recv(copy=False)
@@ -571,6 +599,8 @@ class Controller(StdinService):
         self._closed = True
         self._wake()
         self._io.join(2)
+        with self._waker_lock:
+            self._waker.close(0)
         self.pub.close(0)
         self.pull.close(0)
         self.zctx.term()
