@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
+import contextlib
 import datetime
 import itertools
 import multiprocessing
@@ -309,8 +310,9 @@ class Controller(StdinService):
         with self.pub_lock:
             for topic in topics:  # the topic prefixes the first frame: one frame for small messages
                 if rest:
-                    pub.send(topic + frames[0], _SNDMORE)
-                    pub.send_multipart(rest, copy=False)
+                    with _no_interrupt_midway():
+                        pub.send(topic + frames[0], _SNDMORE)
+                        pub.send_multipart(rest, copy=False)
                 else:
                     pub.send(topic + frames[0])
 
@@ -608,6 +610,23 @@ class Controller(StdinService):
         global _controller
         if _controller is self:
             _controller = None
+
+
+@contextlib.contextmanager
+def _no_interrupt_midway():
+    """Hold Ctrl-C back until the block is done (a message of several frames cut short would swallow
+    the next message: workers would drop both), then deliver it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread is interrupted
+        return
+    held: list = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if held and callable(old):
+            old(signal.SIGINT, held[0])
 
 
 def _poll_briefly(sock: zmq.Socket) -> zmq.Frame | None:
