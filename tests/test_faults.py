@@ -202,3 +202,18 @@ def test_ctrl_c_interrupts_workers_and_they_stay_alive(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "INTERRUPTED after 0.5 s" in r.stdout
     assert "NEXT [1, 1]" in r.stdout
+
+
+def test_ctrl_c_is_held_until_a_multi_frame_message_is_out():
+    """A command of several frames cut short would swallow the next one (workers drop both): Ctrl-C
+    during its send is delivered right after the last frame."""
+    from monarch.runtime.controller import _no_interrupt_midway
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with _no_interrupt_midway():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the signal arrives here, between two frames
+            done.append("last frame sent")
+    assert done == ["last frame sent"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
