@@ -17,6 +17,8 @@ WORLD = 0
 _groups: dict[int, Any] = {}
 store: Any = None
 """Worker side: the controller's torch.distributed store (for groups made after start-up)."""
+prefix = ""
+"""Worker side: this mesh's key prefix in that store."""
 timeout: Any = None
 """Worker side: how long collectives wait (a `datetime.timedelta`)."""
 

@@ -105,10 +105,12 @@ class _StreamThread:
     own CUDA stream, so its kernels overlap the main stream's)."""
 
     def __init__(self, sid: int) -> None:
+        self.sid = sid
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._loop, name=f"monarch-stream-{sid}", daemon=True).start()
 
     def _loop(self) -> None:
+        _here.sid = self.sid
         w = context.worker
         if torch.cuda.is_available() and w is not None and w.device.type == "cuda":
             torch.cuda.set_device(w.device)
@@ -122,6 +124,27 @@ class _StreamThread:
 
 
 _streams: dict[int, _StreamThread] = {}
+_here = threading.local()
+"""`.sid` on a stream thread: the stream it runs."""
+_stream_groups: dict[tuple[int, int], Any] = {}
+
+
+def _group(gid: int) -> Any:
+    """The group `gid` for the stream running here. Collectives of two streams over one group would
+    run in whatever order each worker's threads reach them, and gloo would pair the wrong ones; so each
+    stream other than main gets its own copy of the group (CPU tensors; made on first use)."""
+    group = groups._groups[gid]
+    sid = getattr(_here, "sid", 0)
+    w = context.worker
+    if sid == 0 or group is None or isinstance(group, BaseException) or (w is not None and w.device.type != "cpu"):
+        return group
+    copy = _stream_groups.get((sid, gid))
+    if copy is None:
+        ranks = dist.get_process_group_ranks(group)
+        name = f"{groups.prefix}stream/{sid}/{gid}/{'-'.join(map(str, ranks))}/"
+        store = dist.PrefixStore(name, groups.store)
+        copy = _stream_groups[(sid, gid)] = dist.ProcessGroupGloo(store, group.rank(), group.size(), groups.timeout)
+    return copy
 
 
 def _on(sid: int, fn) -> None:
@@ -244,20 +267,20 @@ def _reduce(src: int, out: int, gid: int, size: int, reduction: str, scatter: bo
         t = torch.zeros(shape, dtype=dtype, device=device)
     else:
         t = v.detach().clone()
-    group = groups._groups[gid]
     try:
+        group = _group(gid)
         if reduction == "stack":
             parts = [torch.empty_like(t) for _ in range(size)]
             dist.all_gather(parts, t.contiguous(), group=group)
             result = torch.stack(parts)
             if scatter:  # all-to-all: rank i keeps the i-th slice of everyone's
-                me = dist.get_rank(group)
+                me = group.rank()
                 result = result[:, me] if result.dim() > 1 else result
         else:
             dist.all_reduce(t, op=getattr(dist.ReduceOp, _REDUCE_OPS[reduction]), group=group)
             result = t / size if reduction == "avg" else t
             if scatter:
-                me = dist.get_rank(group)
+                me = group.rank()
                 result = result.chunk(size)[me].clone()
     except Exception as e:
         _table[out] = Poison(type(e).__qualname__, str(e), traceback.format_exc(), where)

@@ -253,7 +253,7 @@ class Worker:
             timeout=timeout,
         )
         groups._groups[groups.WORLD] = dist.group.WORLD
-        groups.store, groups.timeout = store, timeout
+        groups.store, groups.timeout, groups.prefix = store, timeout, f"monarch/{cfg.mesh_id}/"
         info = {"pid": os.getpid(), "host": socket.gethostname(), "device": str(device)}
         self.send(("ready", cfg.mesh_id, cfg.rank, info))
 

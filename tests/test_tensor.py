@@ -239,6 +239,23 @@ def test_to_mesh_between_spawned_meshes(mesh):
         other.exit()
 
 
+def test_collectives_on_two_streams_over_one_group_do_not_mix(mesh):
+    """Each stream runs on its own worker thread; reductions of two streams over the same dimension
+    must still pair up with their own kind on every rank."""
+    side = monarch.Stream("comms")
+    pairs = []
+    with mesh.activate():
+        for _ in range(30):
+            with side.activate():
+                a = torch.ones(5000)
+                ra = a.reduce("gpu", "sum")
+            b = torch.ones(5000) * 100
+            rb = b.reduce("gpu", "sum")
+            pairs.append((ra, rb))
+    for ra, rb in pairs:
+        assert torch.all(monarch.inspect(ra) == 2) and torch.all(monarch.inspect(rb) == 200)
+
+
 def test_ddp_with_grad_generator_trains(mesh):
     dp = mesh.flatten("dp")
     with dp.activate():
