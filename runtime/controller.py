@@ -190,6 +190,7 @@ class Controller(StdinService):
         self.stdin: Callable[[InputRequest], str] = _terminal_input
         """Answers workers' input requests; runs on the thread waiting for the call."""
         self.stdin_queue: collections.deque[InputRequest] = collections.deque()
+        self._stdin_lock = threading.Lock()  # held by the thread serving a prompt
         self._stdin_owner: tuple[int, int] | None = None
         self._owner_since = 0.0
         self.listeners: list[Callable[[SpawnedMesh], None]] = []

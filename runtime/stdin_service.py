@@ -71,6 +71,14 @@ class StdinService:
         Called by threads waiting for calls. A `KeyboardInterrupt` in the handler propagates (the
         caller interrupts the workers); other errors go back to the worker as its error.
         """
+        if not self._stdin_lock.acquire(blocking=False):
+            return False  # another waiting thread is serving a prompt: one prompt at a time
+        try:
+            return self._serve_one()
+        finally:
+            self._stdin_lock.release()
+
+    def _serve_one(self) -> bool:
         req = self._next_request()
         if req is None:
             return False

@@ -49,3 +49,45 @@ def test_pdb_and_input_use_the_terminal_in_a_script(tmp_path):
     assert len(order) == 4 and order[0] == order[1] and order[2] == order[3] != order[0], text
     assert "[gpu=0] 1000" in text and "[gpu=1] 1007" in text
     assert text.count("name? ") == 2
+
+
+@pytest.mark.timeout(60)
+def test_two_waiting_threads_serve_one_prompt_at_a_time():
+    """Two threads wait on calls that each ask for input: the prompts are answered one after the
+    other, as a terminal or a notebook input box can only take one."""
+    import threading
+    import time
+
+    import monarch
+    from monarch.actor import this_host
+    from monarch.runtime.controller import get_controller
+
+    @monarch.remote
+    def ask():
+        return input("value? ")
+
+    m1, m2 = this_host().spawn_procs({"gpu": 1}), this_host().spawn_procs({"gpu": 1})
+    ctl = get_controller()
+    saved = ctl.stdin
+    open_now, most, lock = [0], [0], threading.Lock()
+
+    def one_box(req):
+        with lock:
+            open_now[0] += 1
+            most[0] = max(most[0], open_now[0])
+        time.sleep(0.3)  # the user typing
+        with lock:
+            open_now[0] -= 1
+        return "typed"
+
+    ctl.stdin = one_box
+    try:
+        got = []
+        ths = [threading.Thread(target=lambda m=m: got.append(list(ask.on(m)()))) for m in (m1, m2)]
+        [t.start() for t in ths]
+        [t.join(30) for t in ths]
+        assert got == [["typed"], ["typed"]] and most[0] == 1
+    finally:
+        ctl.stdin = saved
+        m1.exit()
+        m2.exit()
