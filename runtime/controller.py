@@ -205,6 +205,9 @@ class Controller(StdinService):
         self._rx_count_lock = threading.Lock()
         self._rx_waiters = 0  # callers receiving for themselves in wait()
         self._rcvtimeo = -1  # the receive socket's RCVTIMEO (ms), set by waiting callers
+        self._main_receiving = False  # the main thread is inside _receive_until (Ctrl-C is held)
+        self._sigint_held = False
+        self._sigint_handler = self._on_sigint  # one object, so that getsignal() can recognise it
         self._io = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)
         self._io.start()
         atexit.register(self.shutdown)
@@ -426,6 +429,13 @@ class Controller(StdinService):
         deadline = None if timeout is None else time.monotonic() + timeout
         spin = bool(SPIN)  # poll first; after a quiet stretch, just sleep
         counted = False
+        # Ctrl-C is raised in the main thread between any two bytecodes; one that lands while a message
+        # is being taken off the socket and handled would lose it (and so a call's reply). Hold it there.
+        # Our handler acts as Python's default one (raises KeyboardInterrupt) except there, so it stays
+        # installed; a handler someone else set is left alone.
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                signal.signal(signal.SIGINT, self._sigint_handler)
         try:
             with self._rx_count_lock:
                 self._rx_waiters += 1
@@ -458,12 +468,32 @@ class Controller(StdinService):
         `timeout` passes with nothing received, or a worker asks for input (the caller serves it).
 
         With `spin`, poll for `SPIN` seconds before each sleep. False when the time ran out."""
+        main = threading.current_thread() is threading.main_thread()
+        if main:
+            self._main_receiving = True
+        try:
+            return self._receive_messages(fut, timeout, spin)
+        finally:
+            if main:
+                self._main_receiving = False
+                if self._sigint_held:
+                    self._sigint_held = False
+                    raise KeyboardInterrupt
+
+    def _on_sigint(self, signum, frame) -> None:
+        """SIGINT while a waiting main thread receives: delivered once the message in hand is handled."""
+        if self._main_receiving:
+            self._sigint_held = True
+            return
+        raise KeyboardInterrupt
+
+    def _receive_messages(self, fut: concurrent.futures.Future, timeout: float, spin: bool) -> bool:
         pull = self.pull
         ms = max(1, int(timeout * 1000))
         if ms != self._rcvtimeo:
             pull.setsockopt(zmq.RCVTIMEO, ms)
             self._rcvtimeo = ms
-        while not fut.done():
+        while not fut.done() and not self._sigint_held:
             frame = _poll_briefly(pull) if spin else None
             if frame is None:
                 try:
@@ -600,6 +630,9 @@ class Controller(StdinService):
         for mesh in list(self.meshes.values()):
             self.stop(mesh)
         self._closed = True
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGINT) is self._sigint_handler:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
         self._wake()
         self._io.join(2)
         with self._waker_lock:
