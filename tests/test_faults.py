@@ -218,3 +218,44 @@ def test_ctrl_c_is_held_until_a_multi_frame_message_is_out():
             done.append("last frame sent")
     assert done == ["last frame sent"]
     assert signal.getsignal(signal.SIGINT) is before  # the handler is put back
+
+
+def test_ctrl_c_while_a_reply_is_being_handled_does_not_lose_it():
+    """Ctrl-C that lands while the waiting thread checks a large reply of another call: that call still
+    completes (the interrupt is held until the reply is handled)."""
+    import threading
+
+    mesh = this_host().spawn_procs({"gpu": 2})
+
+    @monarch.remote
+    def big():
+        import torch
+
+        return torch.ones(16_000_000)  # 64 MB: its signature check takes tens of ms
+
+    @monarch.remote
+    def slow():
+        time.sleep(30)
+
+    def press_ctrl_c_during_the_check(main_ident, stop):
+        while not stop.is_set():
+            f, names = sys._current_frames().get(main_ident), []
+            while f is not None:
+                names.append(f.f_code.co_name)
+                f = f.f_back
+            if "_sign" in names and "_handle" in names:
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.0005)
+
+    try:
+        stop = threading.Event()
+        args = (threading.main_thread().ident, stop)
+        threading.Thread(target=press_ctrl_c_during_the_check, args=args, daemon=True).start()
+        pending = big.on(mesh).call_async()
+        with pytest.raises(KeyboardInterrupt):
+            slow.on(mesh)()
+        stop.set()
+        assert [float(t.sum()) for t in pending.result(timeout=20)] == [16e6, 16e6]
+    finally:
+        mesh.exit()
