@@ -433,7 +433,7 @@ class Controller(StdinService):
         # is being taken off the socket and handled would lose it (and so a call's reply). Hold it there.
         # Our handler acts as Python's default one (raises KeyboardInterrupt) except there, so it stays
         # installed; a handler someone else set is left alone.
-        if threading.current_thread() is threading.main_thread():
+        if threading.get_ident() == _MAIN:
             if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
                 signal.signal(signal.SIGINT, self._sigint_handler)
         try:
@@ -468,7 +468,7 @@ class Controller(StdinService):
         `timeout` passes with nothing received, or a worker asks for input (the caller serves it).
 
         With `spin`, poll for `SPIN` seconds before each sleep. False when the time ran out."""
-        main = threading.current_thread() is threading.main_thread()
+        main = threading.get_ident() == _MAIN
         if main:
             self._main_receiving = True
         try:
@@ -644,6 +644,10 @@ class Controller(StdinService):
         global _controller
         if _controller is self:
             _controller = None
+
+
+_MAIN = threading.main_thread().ident
+"""The thread Python runs signal handlers in (Ctrl-C is raised there)."""
 
 
 @contextlib.contextmanager
