@@ -38,7 +38,6 @@ from monarch.runtime.shape import Shape
 from monarch.runtime.stdin_service import InputRequest, StdinService, _terminal_input
 
 _NOBLOCK = int(zmq.NOBLOCK)
-_RCVMORE = int(zmq.RCVMORE)
 _SNDMORE = int(zmq.SNDMORE)
 SPAWN_TIMEOUT = float(os.environ.get("MONARCH_SPAWN_TIMEOUT", "120"))
 EXIT_GRACE = 3.0
@@ -500,13 +499,10 @@ class Controller(StdinService):
                     frame = pull.recv(copy=False)
                 except zmq.Again:
                     return False
-            if not frame.more and len(frame) == 0:  # a poke: look at our call again
+            frames = _whole_message(pull, frame)
+            if frames is None:  # a poke: look at our call again
                 continue
             spin = bool(SPIN)  # replies come in bursts: poll for the next one
-            frames = [frame]
-            while frame.more:
-                frame = pull.recv(copy=False)
-                frames.append(frame)
             if self._handle(frames) == "input":
                 return True
         return True
@@ -519,13 +515,9 @@ class Controller(StdinService):
                 frame = pull.recv(_NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            if not frame.more and len(frame) == 0:
-                continue  # a poke for a waiting caller that already left
-            frames = [frame]
-            while frame.more:
-                frame = pull.recv(copy=False)
-                frames.append(frame)
-            self._handle(frames)
+            frames = _whole_message(pull, frame)
+            if frames is not None:  # else a poke for a waiting caller that already left
+                self._handle(frames)
 
     def _handle(self, frames: list) -> str | None:
         """Act on one message; return its kind."""
@@ -665,6 +657,16 @@ def _no_interrupt_midway():
         signal.signal(signal.SIGINT, old)
         if held and callable(old):
             old(signal.SIGINT, held[0])
+
+
+def _whole_message(sock: zmq.Socket, first: zmq.Frame) -> list | None:
+    """All frames of the message that starts with `first`; None for a poke (one empty frame)."""
+    if not first.more:
+        return [first] if len(first) else None
+    frames = [first]
+    while frames[-1].more:
+        frames.append(sock.recv(copy=False))
+    return frames
 
 
 def _poll_briefly(sock: zmq.Socket) -> zmq.Frame | None:
