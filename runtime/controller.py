@@ -32,7 +32,7 @@ from typing import Any
 
 import zmq
 
-from monarch.runtime import wire
+from monarch.runtime import groups, wire
 from monarch.runtime.errors import WorkerDiedError, exit_cause
 from monarch.runtime.shape import Shape
 from monarch.runtime.stdin_service import InputRequest, StdinService, _terminal_input
@@ -581,6 +581,7 @@ class Controller(StdinService):
             rank, mesh.labels[rank], exit_cause(code), mesh.shape.describe(), len(mesh.procs)
         )
         self._kill(mesh)
+        self._mark_gone(mesh)
         for pending in list(self.calls.values()):
             if pending.mesh is mesh:
                 self._fail(pending, mesh.failure)
@@ -595,6 +596,14 @@ class Controller(StdinService):
                     os.kill(p.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+    def _mark_gone(self, mesh: SpawnedMesh) -> None:
+        """Tell workers of other meshes, waiting in the store to meet one of this mesh's, to give up."""
+        if self._store is not None:
+            try:
+                self._store.set(groups.gone_key(mesh.mesh_id), b"1")
+            except Exception:  # the store is ours and local: this is not expected, and not fatal
+                traceback.print_exc(file=sys.__stderr__)
 
     def stop(self, mesh: SpawnedMesh) -> None:
         """Stop a mesh's workers: ask them to exit, kill those that do not. Idempotent."""
@@ -612,6 +621,7 @@ class Controller(StdinService):
             if pending.mesh is mesh:
                 self._fail(pending, RuntimeError(f"mesh {mesh.shape.describe()} was stopped during the call"))
         mesh.state = "stopped"
+        self._mark_gone(mesh)
         self.meshes.pop(mesh.mesh_id, None)
         self._changed(mesh)
 

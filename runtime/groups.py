@@ -23,6 +23,12 @@ timeout: Any = None
 """Worker side: how long collectives wait (a `datetime.timedelta`)."""
 
 
+def gone_key(mesh_id: int) -> str:
+    """The store key the controller sets once a mesh has stopped or failed (so that workers of other
+    meshes waiting to meet one of its workers give up)."""
+    return f"monarch/gone/{mesh_id}"
+
+
 class ProcessGroupRef:
     """Names a process group on the controller; becomes the group itself on a worker."""
 

@@ -86,8 +86,8 @@ def _to_other_mesh(t: Tensor, src, dst) -> Tensor:
     links = [(s, d, f"{a}.{s}>{b}.{d}") for s, d in zip(src._shape.ranks, dst._shape.ranks)]
     where = _where()
     with _MOVES:  # one order of moves on every mesh, or two threads moving crosswise deadlock the workers
-        src_engine.push(src._shape.ranks, ("send_to", t._ref, links, tuple(t.shape), t.dtype, where))
-        dst_engine.push(dst._shape.ranks, ("recv_from", out._ref, links, tuple(t.shape), t.dtype, where))
+        src_engine.push(src._shape.ranks, ("send_to", t._ref, links, tuple(t.shape), t.dtype, where, b))
+        dst_engine.push(dst._shape.ranks, ("recv_from", out._ref, links, tuple(t.shape), t.dtype, where, a))
         src_engine.flush()  # both halves on the wire now: a sender never waits on a receive still queued here
         dst_engine.flush()
     return out

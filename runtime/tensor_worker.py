@@ -8,7 +8,9 @@ value is poisoned in turn, so the worker keeps serving and independent values st
 from __future__ import annotations
 
 import queue
+import sys
 import threading
+import time
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -330,16 +332,25 @@ _links: dict[str, Any] = {}
 """Two-worker gloo groups to workers of other spawned meshes, by link name."""
 
 
-def _link(name: str, rank: int) -> Any:
-    """The link `name` (sender rank 0, receiver rank 1); the first use waits for the other side."""
+def _link(name: str, rank: int, peer_mesh: int) -> Any:
+    """The link `name` (sender rank 0, receiver rank 1). The first use waits for the other side to
+    arrive, or for the controller to mark the other mesh gone (then it raises: nobody waits 60 s)."""
     pg = _links.get(name)
     if pg is None:
         store = dist.PrefixStore(f"monarch/link/{name}/", groups.store)
+        store.set(f"here/{rank}", b"1")
+        other, gone = f"here/{1 - rank}", groups.gone_key(peer_mesh)
+        pause = 0.0005
+        while not store.check([other]):  # check, not wait: a timed-out wait logs a warning
+            if groups.store.check([gone]):
+                raise RuntimeError("the other mesh stopped or failed before it took its side of the move")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
         pg = _links[name] = dist.ProcessGroupGloo(store, rank, 2, groups.timeout)
     return pg
 
 
-def _send_to(src: int, links: list, shape: tuple, dtype, where: str) -> None:
+def _send_to(src: int, links: list, shape: tuple, dtype, where: str, peer_mesh: int) -> None:
     """This worker's half of a move to another spawned mesh; a poisoned source sends a flag."""
     me = context.worker.rank if context.worker is not None else 0
     for s, _, name in links:
@@ -349,14 +360,14 @@ def _send_to(src: int, links: list, shape: tuple, dtype, where: str) -> None:
         bad = isinstance(v, Poison) or not isinstance(v, torch.Tensor)
         data = torch.zeros(shape, dtype=dtype) if bad else v.detach().to("cpu").contiguous()
         try:
-            pg = _link(name, 0)
+            pg = _link(name, 0, peer_mesh)
             pg.send([torch.tensor([1 if bad else 0])], 1, 0).wait()
             pg.send([data], 1, 1).wait()
-        except Exception:
-            traceback.print_exc()  # the receiver poisons its value; this one stays as it was
+        except Exception as e:  # the receiver poisons its value (if it is alive); this one stays as it was
+            print(f"monarch: the move issued at {where} was not sent: {type(e).__name__}: {e}", file=sys.stderr)
 
 
-def _recv_from(out: int, links: list, shape: tuple, dtype, where: str) -> None:
+def _recv_from(out: int, links: list, shape: tuple, dtype, where: str, peer_mesh: int) -> None:
     me = context.worker.rank if context.worker is not None else 0
     device = context.worker.device if context.worker is not None else torch.device("cpu")
     for _, d, name in links:
@@ -364,7 +375,7 @@ def _recv_from(out: int, links: list, shape: tuple, dtype, where: str) -> None:
             continue
         flag, data = torch.zeros(1, dtype=torch.long), torch.empty(shape, dtype=dtype)
         try:
-            pg = _link(name, 1)
+            pg = _link(name, 1, peer_mesh)
             pg.recv([flag], 0, 0).wait()
             pg.recv([data], 0, 1).wait()
         except Exception as e:

@@ -1,5 +1,9 @@
 """The tensor engine: ops captured inside mesh.activate() run on the workers; values, collectives, failures."""
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 import torch.nn as nn
@@ -7,6 +11,8 @@ import torch.nn as nn
 import monarch
 from monarch.runtime import tensor_worker
 from monarch.runtime.remote import RemoteFunction
+
+from conftest import wait_gone, worker_pids
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -235,6 +241,36 @@ def test_to_mesh_between_spawned_meshes(mesh):
         with pytest.raises(TypeError, match="used only on the mesh that made it"):
             with other.activate():
                 x + 1
+    finally:
+        other.exit()
+
+
+def test_move_to_a_mesh_that_dies_before_taking_it_does_not_stall_the_sender(mesh):
+    """The receiving mesh is busy, then killed, before its workers reach the move: the sending
+    workers give up on the link as soon as the controller marks that mesh gone, and keep serving."""
+    from monarch.actor import this_host
+
+    @monarch.remote
+    def nap(seconds):
+        time.sleep(seconds)
+
+    other = this_host().spawn_procs({"host": 2, "gpu": 2})
+    pids = worker_pids(other)
+    try:
+        busy = nap.on(other).call_async(30)  # the receivers will not reach the move for 30 s
+        with mesh.activate():
+            x = torch.ones(3)
+        x.to_mesh(other)
+        with mesh.activate():
+            after = x + 1  # queued behind the send on every worker of `mesh`
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(Exception, match="rank 1"):
+            busy.result(timeout=10)
+        assert monarch.inspect(after).tolist() == [2.0, 2.0, 2.0]
+        assert time.monotonic() - t0 < 10  # not the store's 60 s
+        assert wait_gone(pids, 5) == []
     finally:
         other.exit()
 
