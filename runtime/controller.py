@@ -13,6 +13,7 @@ import concurrent.futures
 import contextlib
 import datetime
 import itertools
+import mmap
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.popen_forkserver
@@ -21,6 +22,7 @@ import os
 import select
 import shutil
 import signal
+import struct
 import sys
 import tempfile
 import threading
@@ -126,6 +128,8 @@ class SpawnedMesh:
     is sent, so that no message relying on it, from another thread, overtakes it."""
     groups: dict[tuple, int] = field(default_factory=dict)
     """Rank partition -> group id."""
+    targets: Any = None
+    """Shared with the workers: per rank, the id of the call the next SIGINT is meant for."""
 
     def check_usable(self) -> None:
         if self.failure is not None:
@@ -236,13 +240,15 @@ class Controller(StdinService):
             mesh_id = next(self._mesh_ids)
             labels = [shape.label(c) for c, _ in shape.points()]
             mesh = SpawnedMesh(self, mesh_id, shape, [], labels)
+            targets_path = os.path.join(self.dir, f"interrupt-{mesh_id}")
+            mesh.targets = _shared_slots(targets_path, n)
             self.meshes[mesh_id] = mesh
             for coords, rank in shape.points():
                 wenv = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n))
                 cfg = dict(
                     mesh_id=mesh_id, rank=rank, coords=coords, sizes=shape.size_dict, local_rank=rank,
                     cmd_addr=self.cmd_addr, reply_addr=self.reply_addr, key=self.key, store_addr=store_addr,
-                    env=wenv, cwd=os.getcwd(), sys_path=list(sys.path), threads=threads, forkserver_pid=fs_pid,
+                    interrupt_path=targets_path, env=wenv, cwd=os.getcwd(), sys_path=list(sys.path), threads=threads, forkserver_pid=fs_pid,
                 )  # fmt: skip
                 p = process_cls(target=spawn_entry.run, args=(cfg,), name=f"monarch-{mesh_id}-{rank}")
                 p.start()
@@ -348,13 +354,23 @@ class Controller(StdinService):
                 traceback.print_exc(file=sys.__stderr__)
 
     def interrupt(self, pending: PendingCall) -> None:
-        """Send SIGINT to the workers still busy with `pending`."""
+        """Interrupt `pending` on the workers still busy with it. Each is told which call the SIGINT is
+        for: a worker running another thread's call goes on with it and skips `pending` when it comes."""
         for r in pending.ranks:
             if r not in pending.replies:
                 try:
+                    struct.pack_into("<q", pending.mesh.targets, 8 * r, pending.call_id)
                     os.kill(pending.mesh.info[r]["pid"], signal.SIGINT)
                 except (ProcessLookupError, IndexError):
                     pass
+
+    def busy_with_earlier_calls(self, pending: PendingCall) -> set[int]:
+        """Ranks of `pending`'s mesh that have not yet answered a call issued before it (by another thread)."""
+        busy: set[int] = set()
+        for other in list(self.calls.values()):
+            if other is not pending and other.mesh is pending.mesh and other.call_id < pending.call_id:
+                busy.update(r for r in other.ranks if r not in other.replies)
+        return busy
 
     def _fail(self, pending: PendingCall, error: BaseException) -> None:
         self.calls.pop(pending.call_id, None)
@@ -650,6 +666,17 @@ class Controller(StdinService):
 
 _MAIN = threading.main_thread().ident
 """The thread Python runs signal handlers in (Ctrl-C is raised there)."""
+
+
+def _shared_slots(path: str, n: int) -> mmap.mmap:
+    """`n` int64 slots in a file the workers map too (zeros to start)."""
+    with open(path, "wb") as f:
+        f.truncate(8 * n)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, 8 * n)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -64,18 +64,23 @@ class RemoteInterrupt(KeyboardInterrupt):
     A `KeyboardInterrupt`, so code that handles interrupts keeps working.
     """
 
-    def __init__(self, what: str, failures: list[Failure], busy: list[int], total: int):
+    def __init__(self, what: str, failures: list[Failure], busy: list[int], total: int, queued: list[int] = ()):
         self.what, self.failures, self.busy, self.total = what, failures, busy, total
+        self.queued = list(queued)
+        """Ranks still running an earlier call (another thread's): they skip this one when they reach it."""
         head = f"{what} interrupted"
-        if busy:
-            head += f"; ranks {format_ranks(busy)} did not stop within the grace period and may still be busy"
+        stuck = [r for r in busy if r not in self.queued]
+        if stuck:
+            head += f"; ranks {format_ranks(stuck)} did not stop within the grace period and may still be busy"
+        if self.queued:
+            head += f"; ranks {format_ranks(self.queued)} are busy with an earlier call and will skip this one"
         super().__init__(_describe(head, failures))
 
     def _render_traceback_(self) -> list[str]:
         return _render("KeyboardInterrupt", str(self))
 
     def __reduce__(self):
-        return type(self), (self.what, self.failures, self.busy, self.total)
+        return type(self), (self.what, self.failures, self.busy, self.total, self.queued)
 
 
 def _describe(head: str, failures: list[Failure]) -> str:

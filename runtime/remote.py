@@ -106,7 +106,8 @@ class Future(Generic[T]):
                 except Exception:
                     pass
         busy = sorted(set(self._shape.ranks) - set(pending.replies))
-        return RemoteInterrupt(self._name, group_failures(raw), busy, len(self._shape))
+        queued = sorted(set(busy) & controller.busy_with_earlier_calls(pending))
+        return RemoteInterrupt(self._name, group_failures(raw), busy, len(self._shape), queued)
 
     get = result
 

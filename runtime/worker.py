@@ -14,10 +14,12 @@ import io
 import itertools
 import linecache
 import math
+import mmap
 import os
 import select
 import signal
 import socket
+import struct
 import sys
 import threading
 import traceback
@@ -60,6 +62,8 @@ class WorkerConfig:
     """HMAC key for signing messages."""
     store_addr: tuple[str, int]
     """The controller's torch.distributed TCPStore."""
+    interrupt_path: str
+    """A file of int64 slots, one per rank: the call the controller's next SIGINT is meant for."""
     env: dict[str, str]
     """Environment to run with (the controller's, plus rank variables)."""
     cwd: str
@@ -211,14 +215,23 @@ class Worker:
         self._input_ids = itertools.count(1)
         self.in_debugger = False
         """True while a pdb prompt on this worker is reading commands."""
+        with open(cfg.interrupt_path, "rb") as f:
+            self.targets = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.cancelled: set[int] = set()
+        """Calls interrupted before they started here (this worker was busy with another call)."""
         signal.signal(signal.SIGINT, self._on_sigint)
         global current
         current = self
         stdin.install(self)
 
     def _on_sigint(self, signum, frame) -> None:
-        if self.in_user_code:
+        (target,) = struct.unpack_from("<q", self.targets, 8 * self.cfg.rank)
+        if target == self.call_id and self.in_user_code:
             raise KeyboardInterrupt
+        if target > 0:  # a call not started yet (perhaps queued behind another thread's): skip it
+            if len(self.cancelled) > 1024:  # ids of calls that had finished as they were interrupted
+                self.cancelled = set(sorted(self.cancelled)[512:])
+            self.cancelled.add(target)
 
     def send(self, header: tuple, body: list | None = None) -> None:
         frames = wire.encode(self.key, header, body)
@@ -379,6 +392,8 @@ class Worker:
             if isinstance(fn, BaseException):
                 raise RuntimeError(f"this function could not be loaded on this worker: {type(fn).__name__}: {fn}")
             args, kwargs = wire.loads(body, buffers)
+            if call_id in self.cancelled:  # (after keeping the function: later calls rely on it)
+                raise KeyboardInterrupt("interrupted before it started")
             self.in_user_code = True
             try:
                 value = fn(*args, **kwargs)
@@ -399,6 +414,7 @@ class Worker:
         else:
             self.send(("error", call_id, self.cfg.mesh_id, self.cfg.rank), wire.dumps(value))
         self.call_id = None
+        self.cancelled.discard(call_id)
 
 
 _NONE = wire.dumps(None)

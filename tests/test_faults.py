@@ -259,3 +259,42 @@ def test_ctrl_c_while_a_reply_is_being_handled_does_not_lose_it():
         assert [float(t.sum()) for t in pending.result(timeout=20)] == [16e6, 16e6]
     finally:
         mesh.exit()
+
+
+def test_ctrl_c_on_a_call_queued_behind_another_threads_call_leaves_that_call_alone(tmp_path):
+    """Two threads call one mesh; Ctrl-C on the call still queued behind the other thread's interrupts
+    only that call: the running one completes, the queued one never runs, and its function stays
+    shipped for the next call."""
+    import threading
+
+    mesh = this_host().spawn_procs({"gpu": 2})
+    pids = worker_pids(mesh)
+    marker = tmp_path / "ran"
+
+    @monarch.remote
+    def slow():
+        time.sleep(1.5)
+        return "slow done"
+
+    @monarch.remote
+    def touch(path):
+        open(path, "a").close()
+        return "touched"
+
+    try:
+        results = []
+        other = threading.Thread(target=lambda: results.append(list(slow.on(mesh)())))
+        other.start()
+        time.sleep(0.3)  # slow is running on both workers
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt, match="ranks 0-1 are busy with an earlier call and will skip this one"):
+            touch.on(mesh)(str(marker))
+        other.join(10)
+        assert results == [["slow done", "slow done"]]  # the other thread's call was not interrupted
+        time.sleep(0.2)
+        assert not marker.exists()  # the interrupted call was skipped
+        assert list(touch.on(mesh)(str(marker))) == ["touched", "touched"]
+        assert marker.exists()
+    finally:
+        mesh.exit()
+    assert wait_gone(pids) == []
