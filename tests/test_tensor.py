@@ -505,3 +505,30 @@ def test_manual_seed_inside_activate_seeds_the_workers():
         assert torch.manual_seed.__name__ == "manual_seed" and type(torch.rand(2)) is torch.Tensor
     finally:
         seeded.exit()
+
+
+def test_a_live_call_runs_after_the_ops_of_every_stream_and_gets_none_of_their_output(capfd):
+    """Ops queued on a side stream finish before a later live call starts, and a warning they print
+    (from C++, straight to the file descriptor) is not part of that call's output."""
+    from monarch.actor import this_host
+
+    @monarch.remote
+    def nap(seconds):
+        time.sleep(seconds)
+
+    fresh = this_host().spawn_procs({"gpu": 2})
+    side = monarch.Stream("side")
+    try:
+        with fresh.activate(), side.activate():
+            x = torch.rand(600, 600)
+            for _ in range(6):
+                x = x @ x / 600  # keeps the side stream busy past the live call's arrival
+            out = torch.zeros(3)
+            torch.add(torch.ones(2), torch.ones(2), out=out)  # torch warns: "An output ... was resized"
+        got = []
+        nap.on(fresh)._start((0.5,), {}, output=got.append).result()
+        assert [e.text for e in got if "resized" in e.text] == []
+        assert capfd.readouterr().err.count("was resized") == 2  # once per worker, as output of no call
+        assert monarch.inspect(out).tolist() == [2.0, 2.0]
+    finally:
+        fresh.exit()
