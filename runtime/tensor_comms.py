@@ -34,7 +34,14 @@ def reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool = False
         size *= mesh.size(d)
     group = mesh.process_group(dims_t)
     shape = tuple(t.shape)
+    if reduction == "avg" and not (t.dtype.is_floating_point or t.dtype.is_complex):
+        raise ValueError(f"reduce: 'avg' needs a floating-point tensor, got {t.dtype}; use 'sum', or convert first")
     if reduction == "stack":
+        if scatter and (not shape or shape[0] != size):
+            raise ValueError(
+                f"reduce: stack with scatter (all-to-all) over {size} ranks needs a leading dimension of {size} "
+                f"(slice i goes to rank i), got shape {shape}"
+            )
         out_shape = (size, *shape) if not scatter else (size, *shape[1:])
     else:
         if scatter and (not shape or shape[0] % size):
@@ -44,7 +51,7 @@ def reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool = False
         out_shape = (shape[0] // size, *shape[1:]) if scatter else shape
     engine = _engine(mesh._spawned)
     out = t if inplace else _new(engine, mesh, out_shape, t.dtype, t.device)
-    cmd = ("reduce", t._ref, out._ref, group.gid, size, reduction, scatter, shape, t.dtype, _where())
+    cmd = ("reduce", t._ref, out._ref, group.gid, size, reduction, scatter, shape, t.dtype, t.device.type, _where())
     engine.push(mesh._shape.ranks, cmd)
     return out
 
@@ -72,7 +79,7 @@ def to_mesh(t: Tensor, dst) -> Tensor:
     out = _new(engine, dst, tuple(t.shape), t.dtype, t.device)
     pairs = list(zip(src._shape.ranks, dst._shape.ranks))
     ranks = tuple(sorted(set(src._shape.ranks) | set(dst._shape.ranks)))
-    engine.push(ranks, ("to_mesh", t._ref, out._ref, pairs, tuple(t.shape), t.dtype, _where()))
+    engine.push(ranks, ("to_mesh", t._ref, out._ref, pairs, tuple(t.shape), t.dtype, t.device.type, _where()))
     return out
 
 
@@ -87,7 +94,9 @@ def _to_other_mesh(t: Tensor, src, dst) -> Tensor:
     where = _where()
     with _MOVES:  # one order of moves on every mesh, or two threads moving crosswise deadlock the workers
         src_engine.push(src._shape.ranks, ("send_to", t._ref, links, tuple(t.shape), t.dtype, where, b))
-        dst_engine.push(dst._shape.ranks, ("recv_from", out._ref, links, tuple(t.shape), t.dtype, where, a))
+        dst_engine.push(
+            dst._shape.ranks, ("recv_from", out._ref, links, tuple(t.shape), t.dtype, t.device.type, where, a)
+        )
         src_engine.flush()  # both halves on the wire now: a sender never waits on a receive still queued here
         dst_engine.flush()
     return out

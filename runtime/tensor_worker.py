@@ -7,6 +7,7 @@ value is poisoned in turn, so the worker keeps serving and independent values st
 
 from __future__ import annotations
 
+import json
 import queue
 import sys
 import threading
@@ -35,6 +36,8 @@ class Poison:
     traceback: str
     issued_at: str
     """The controller line that issued the failing op."""
+    failed_on: str | None = None
+    """Where it failed when not on this worker: e.g. "rank 3 (its input to the collective issued at ...)"."""
 
 
 class Ref:
@@ -74,9 +77,17 @@ def _device(value: Any) -> Any:
                 _warned_cuda = True
                 warnings.warn("no CUDA on this worker: tensors requested on 'cuda' are made on the CPU", stacklevel=2)
             return torch.device("cpu")
-        if dev.index is None and w is not None:
-            return w.device
+        if w is not None and w.device.type == "cuda":
+            return w.device  # each worker owns one GPU; the controller's `cuda:0` means "mine"
     return dev
+
+
+def _on_device(dev_type: str) -> torch.device:
+    """The device a tensor the controller describes as `dev_type` ("cpu" or "cuda") lives on here."""
+    w = context.worker
+    if dev_type == "cuda" and w is not None and w.device.type == "cuda":
+        return w.device
+    return torch.device("cpu")
 
 
 def _resolve(obj: Any, poisons: list) -> Any:
@@ -131,22 +142,37 @@ _here = threading.local()
 _stream_groups: dict[tuple[int, int], Any] = {}
 
 
-def _group(gid: int) -> Any:
+def _group(gid: int, dev_type: str = "cpu") -> Any:
     """The group `gid` for the stream running here. Collectives of two streams over one group would
-    run in whatever order each worker's threads reach them, and gloo would pair the wrong ones; so each
-    stream other than main gets its own copy of the group (CPU tensors; made on first use)."""
+    run in whatever order each worker's threads reach them, and gloo or NCCL would pair the wrong ones;
+    so each stream other than main gets its own copy of the group, per device type (made on first use:
+    gloo for CPU tensors, NCCL for CUDA ones)."""
     group = groups._groups[gid]
     sid = getattr(_here, "sid", 0)
-    w = context.worker
-    if sid == 0 or group is None or isinstance(group, BaseException) or (w is not None and w.device.type != "cpu"):
+    if sid == 0 or group is None or isinstance(group, BaseException):
         return group
-    copy = _stream_groups.get((sid, gid))
+    copy = _stream_groups.get((sid, gid, dev_type))
     if copy is None:
         ranks = dist.get_process_group_ranks(group)
-        name = f"{groups.prefix}stream/{sid}/{gid}/{'-'.join(map(str, ranks))}/"
+        name = f"{groups.prefix}stream/{sid}/{gid}/{dev_type}/{'-'.join(map(str, ranks))}/"
         store = dist.PrefixStore(name, groups.store)
-        copy = _stream_groups[(sid, gid)] = dist.ProcessGroupGloo(store, group.rank(), group.size(), groups.timeout)
+        if dev_type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = groups.timeout
+            opts.global_ranks_in_group = ranks
+            copy = dist.ProcessGroupNCCL(store, group.rank(), group.size(), opts)  # communicator made on first use
+        else:
+            copy = dist.ProcessGroupGloo(store, group.rank(), group.size(), groups.timeout)
+        _stream_groups[(sid, gid, dev_type)] = copy
     return copy
+
+
+def _backend(gid: int, dev_type: str) -> Any:
+    """The backend (gloo or NCCL) of `_group(gid, dev_type)` that moves `dev_type` tensors, for sends."""
+    group = _group(gid, dev_type)
+    if isinstance(group, dist.ProcessGroup):
+        return group._get_backend(torch.device(dev_type))
+    return group
 
 
 def _on(sid: int, fn) -> None:
@@ -256,40 +282,48 @@ def _run_op(name: str, args: tuple, kwargs: dict, out: Any, where: str) -> None:
 _REDUCE_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
 
 
-def _reduce(src: int, out: int, gid: int, size: int, reduction: str, scatter: bool, shape: tuple, dtype, where) -> None:
-    """A collective over the group `gid`; a poisoned input still takes part (with zeros)."""
+def _reduce(
+    src: int, out: int, gid: int, size: int, reduction: str, scatter: bool, shape: tuple, dtype, dev_type: str, where
+) -> None:
+    """A collective over the group `gid`. A rank whose input failed still takes part (with zeros), and
+    every rank's result is poisoned with that failure, since every result depends on every input."""
     v = _table.get(src)
-    poison = v if isinstance(v, Poison) else None
-    w = context.worker
-    device = w.device if w is not None else torch.device("cpu")
-    in_place = out == src and poison is None and isinstance(v, torch.Tensor) and reduction != "stack" and not scatter
-    if in_place and v.is_contiguous():
-        t = v.detach()  # reduce_: straight into the tensor, as a plain all_reduce does
-    elif poison is not None or v is None:
-        t = torch.zeros(shape, dtype=dtype, device=device)
-    else:
-        t = v.detach().clone()
+    bad = not isinstance(v, torch.Tensor)
     try:
-        group = _group(gid)
+        device = _on_device(dev_type)
+        group = _group(gid, dev_type)
+        me = group.rank()
+        in_place = out == src and not bad and reduction != "stack" and not scatter
+        if in_place and v.is_contiguous():
+            t = v.detach()  # reduce_: straight into the tensor, as a plain all_reduce does
+        elif bad:
+            t = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            t = v.detach().clone(memory_format=torch.contiguous_format)  # NCCL takes contiguous tensors only
+        failed = torch.tensor([me + 1 if bad else 0], device=device)  # which rank's input failed (+1), if any
+        failed_work = dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group, async_op=True)
         if reduction == "stack":
             parts = [torch.empty_like(t) for _ in range(size)]
-            dist.all_gather(parts, t.contiguous(), group=group)
+            dist.all_gather(parts, t, group=group)
             result = torch.stack(parts)
             if scatter:  # all-to-all: rank i keeps the i-th slice of everyone's
-                me = group.rank()
                 result = result[:, me] if result.dim() > 1 else result
         else:
             dist.all_reduce(t, op=getattr(dist.ReduceOp, _REDUCE_OPS[reduction]), group=group)
             result = t / size if reduction == "avg" else t
             if scatter:
-                me = group.rank()
                 result = result.chunk(size)[me].clone()
+        failed_work.wait()
+        culprit = int(failed.item()) - 1
+        if culprit >= 0:  # every rank takes part in sharing that failure
+            mine = v if isinstance(v, Poison) else Poison("KeyError", f"tensor {src} is not on this worker", "", where)
+            shared = _share_poison(group, device, mine if culprit == me else None, where)
     except Exception as e:
         _table[out] = Poison(type(e).__qualname__, str(e), traceback.format_exc(), where)
         return
-    if poison is not None:
-        _table[out] = poison
-    elif out == src and isinstance(v, torch.Tensor):  # reduce_: in place, so borrowed views see it too
+    if culprit >= 0:
+        _table[out] = mine if bad else shared
+    elif out == src:  # reduce_: in place, so borrowed views see it too
         if result is not v and result.data_ptr() != v.data_ptr():
             with torch.no_grad():
                 v.copy_(result)
@@ -297,35 +331,62 @@ def _reduce(src: int, out: int, gid: int, size: int, reduction: str, scatter: bo
         _table[out] = result
 
 
-def _to_mesh(src: int, out: int, pairs: list, shape: tuple, dtype, where: str) -> None:
-    """Point-to-point copies over the mesh's group; a poisoned source sends a flag, so none hang."""
+def _share_poison(group: Any, device: torch.device, mine: Poison | None, where: str) -> Poison:
+    """The failure of the one rank that passes `mine`, on every rank of `group` (a collective: all call it).
+
+    Travels as JSON in a byte tensor that only that rank fills (a sum), never as a pickle."""
+    data = b""
+    if mine is not None:
+        me = context.worker.rank if context.worker is not None else 0
+        data = json.dumps([mine.exc_type, mine.message, mine.traceback, mine.issued_at, me]).encode()
+    n = torch.tensor([len(data)], device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+    buf = torch.zeros(int(n.item()), dtype=torch.uint8)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+    buf = buf.to(device)
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+    exc_type, message, tb, issued_at, rank = json.loads(bytes(buf.cpu().numpy()).decode())
+    return Poison(exc_type, message, tb, issued_at, f"rank {rank} (its input to the collective issued at {where})")
+
+
+def _to_mesh(src: int, out: int, pairs: list, shape: tuple, dtype, dev_type: str, where: str) -> None:
+    """Point-to-point copies within the mesh (its default group, this stream's copy of it); a poisoned
+    source sends a flag, so that no receiver hangs."""
     me = dist.get_rank()
-    w = context.worker
-    device = w.device if w is not None else torch.device("cpu")
-    reqs, incoming = [], None
-    for s, d in pairs:
-        if s == me and d == me:
-            v = _table.get(src)
-            _table[out] = v if isinstance(v, Poison) else v.clone()
-        elif s == me:
-            v = _table.get(src)
-            bad = isinstance(v, Poison) or v is None
-            data = torch.zeros(shape, dtype=dtype, device=device) if bad else v.detach().contiguous()
-            reqs += [dist.isend(torch.tensor([1 if bad else 0]), d), dist.isend(data, d)]
-        elif d == me:
-            flag, data = torch.zeros(1, dtype=torch.long), torch.empty(shape, dtype=dtype, device=device)
-            reqs += [dist.irecv(flag, s), dist.irecv(data, s)]
-            incoming = (flag, data)
+    reqs, incoming, error = [], None, None
     try:
+        device = _on_device(dev_type)
+        pg = _backend(groups.WORLD, dev_type)
+        for s, d in pairs:
+            if s == me and d == me:
+                v = _table.get(src)
+                _table[out] = v.clone() if isinstance(v, torch.Tensor) else v
+            elif s == me:
+                v = _table.get(src)
+                bad = not isinstance(v, torch.Tensor)
+                data = torch.zeros(shape, dtype=dtype, device=device) if bad else v.detach().contiguous()
+                flag = torch.tensor([1 if bad else 0], device=device)  # on the data's device: one backend
+                reqs += [pg.send([flag], d, 0), pg.send([data], d, 1)]
+            elif d == me:
+                flag, data = (
+                    torch.zeros(1, dtype=torch.long, device=device),
+                    torch.empty(shape, dtype=dtype, device=device),
+                )
+                incoming = (flag, data)
+                reqs += [pg.recv([flag], s, 0), pg.recv([data], s, 1)]
         for r in reqs:
             r.wait()
     except Exception as e:
-        if incoming is not None:
-            _table[out] = Poison(type(e).__qualname__, str(e), traceback.format_exc(), where)
-        return
+        error = e
+        tb = traceback.format_exc()
     if incoming is not None:
         flag, data = incoming
-        _table[out] = data if not flag.item() else Poison("RuntimeError", "the source value failed", "", where)
+        if error is not None:
+            _table[out] = Poison(type(error).__qualname__, str(error), tb, where)
+        else:
+            _table[out] = data if not flag.item() else Poison("RuntimeError", "the source value failed", "", where)
+    elif error is not None:
+        print(f"monarch: the move issued at {where} was not sent: {type(error).__name__}: {error}", file=sys.stderr)
 
 
 _links: dict[str, Any] = {}
@@ -367,9 +428,8 @@ def _send_to(src: int, links: list, shape: tuple, dtype, where: str, peer_mesh: 
             print(f"monarch: the move issued at {where} was not sent: {type(e).__name__}: {e}", file=sys.stderr)
 
 
-def _recv_from(out: int, links: list, shape: tuple, dtype, where: str, peer_mesh: int) -> None:
+def _recv_from(out: int, links: list, shape: tuple, dtype, dev_type: str, where: str, peer_mesh: int) -> None:
     me = context.worker.rank if context.worker is not None else 0
-    device = context.worker.device if context.worker is not None else torch.device("cpu")
     for _, d, name in links:
         if d != me:
             continue
@@ -378,13 +438,14 @@ def _recv_from(out: int, links: list, shape: tuple, dtype, where: str, peer_mesh
             pg = _link(name, 1, peer_mesh)
             pg.recv([flag], 0, 0).wait()
             pg.recv([data], 0, 1).wait()
+            value = data.to(_on_device(dev_type))
         except Exception as e:
             _table[out] = Poison(type(e).__qualname__, str(e), traceback.format_exc(), where)
             continue
         if flag.item():
             _table[out] = Poison("RuntimeError", "the source value (on the other mesh) failed", "", where)
         else:
-            _table[out] = data.to(device)
+            _table[out] = value
 
 
 def fetch(ref_id: int) -> torch.Tensor:
@@ -393,7 +454,7 @@ def fetch(ref_id: int) -> torch.Tensor:
     v = _table.get(ref_id)
     if isinstance(v, Poison):
         raise PoisonedValueError(
-            f"this value depends on an op that failed on this worker: {v.exc_type}: {v.message}\n"
+            f"this value depends on an op that failed on {v.failed_on or 'this worker'}: {v.exc_type}: {v.message}\n"
             f"the failing op was issued at {v.issued_at}\n\nworker traceback:\n{v.traceback}"
         )
     if v is None:

@@ -246,13 +246,21 @@ class Worker:
         cfg = self.cfg
         torch.set_num_threads(cfg.threads)
         torch.seed()  # forked workers share the fork server's RNG state; give each its own, as a fresh process has
-        if torch.cuda.is_available():
-            device = torch.device("cuda", cfg.local_rank % torch.cuda.device_count())
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if gpus and local_workers <= gpus:
+            device = torch.device("cuda", cfg.local_rank)
             torch.cuda.set_device(device)
             backend = "cpu:gloo,cuda:nccl"
         else:
             device = torch.device("cpu")
             backend = "gloo"
+            if gpus and cfg.local_rank == 0:  # NCCL refuses two ranks on one GPU; every worker decides alike
+                print(
+                    f"monarch: {local_workers} workers on this host but {gpus} GPUs: the workers use the CPU "
+                    f"(spawn at most {gpus} per host to give each its own GPU)",
+                    file=sys.stderr,
+                )
         context.worker = context.WorkerInfo(cfg.rank, cfg.coords, cfg.sizes, cfg.local_rank, device)
         context.view = context.CallView(dict(cfg.coords), dict(cfg.sizes))
         host, port = cfg.store_addr
@@ -266,6 +274,7 @@ class Worker:
             timeout=timeout,
         )
         groups._groups[groups.WORLD] = dist.group.WORLD
+        store.set_timeout(timeout)  # NCCL meets through the store on first use: wait as long as collectives do
         groups.store, groups.timeout, groups.prefix = store, timeout, f"monarch/{cfg.mesh_id}/"
         info = {"pid": os.getpid(), "host": socket.gethostname(), "device": str(device)}
         self.send(("ready", cfg.mesh_id, cfg.rank, info))
@@ -356,11 +365,10 @@ class Worker:
 
     def _close(self) -> None:
         self.output.flush()
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+        if dist.is_initialized():  # a communicator stuck on a dead peer may never let go: not waited for long
+            t = threading.Thread(target=_destroy_groups, name="monarch-destroy", daemon=True)
+            t.start()
+            t.join(5)
         self.send(("bye", self.cfg.mesh_id, self.cfg.rank))
         self.out.close()
         self.cmd.close()
@@ -421,6 +429,13 @@ class Worker:
         self.cancelled.discard(call_id)
 
 
+def _destroy_groups() -> None:
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
 _NONE = wire.dumps(None)
 
 _PLUMBING = {__file__, *(os.path.join(os.path.dirname(__file__), f) for f in ("cells.py", "stdin.py"))}
@@ -429,6 +444,8 @@ _PLUMBING = {__file__, *(os.path.join(os.path.dirname(__file__), f) for f in ("c
 
 def _describe(e: BaseException, prefix: str = "") -> tuple[str, str, str]:
     """(type name, message, traceback) with our own frames (worker plumbing) left out."""
+    if type(e).__name__ == "PoisonedValueError":  # its message holds the traceback that matters
+        return (type(e).__qualname__, prefix + str(e), "")
     te = traceback.TracebackException.from_exception(e)
     for t in (te, *_chained(te)):
         t.stack = traceback.StackSummary.from_list([f for f in t.stack if f.filename not in _PLUMBING])

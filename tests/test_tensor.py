@@ -144,6 +144,43 @@ def test_failed_op_poisons_only_dependents(mesh):
     assert torch.equal(monarch.inspect(after), torch.full((3, 4), 20.0))  # workers alive, collectives work
 
 
+def test_a_collective_whose_input_failed_on_one_rank_fails_on_every_rank_of_its_group(mesh):
+    """Every result of a collective depends on every rank's input: one failed input poisons the whole
+    group's results (carrying that rank's error); other groups and later collectives are unaffected."""
+    kinds = [("sum", False), ("avg", False), ("max", False), ("min", False), ("product", False)]
+    kinds += [("stack", False), ("sum", True), ("stack", True)]
+    with mesh.activate():
+        me = torch.arange(4).reduce(("host", "gpu"), "stack", scatter=True)[:1]  # all-to-all: each rank's index
+        picked = torch.index_select(torch.arange(3.0), 0, me).repeat(2)  # fails on rank 3 only
+        outs = [picked.reduce("gpu", k, scatter=s) for k, s in kinds]
+        fine = torch.ones(2).reduce("gpu")
+    assert [monarch.inspect(me, **c).item() for c, _ in mesh._shape.points()] == [0, 1, 2, 3]
+    p0, p1 = torch.zeros(2), torch.ones(2)  # the inputs of ranks 0 and 1 (host=0)
+    stacked = torch.stack([p0, p1])
+    expected = [p0 + p1, (p0 + p1) / 2, torch.max(p0, p1), torch.min(p0, p1), p0 * p1, stacked]
+    for (kind, scatter), out, want in zip(kinds, outs, expected + [None, None]):
+        for gpu in (0, 1):
+            if want is None:
+                want = (p0 + p1).chunk(2)[gpu] if kind == "sum" else stacked[:, gpu]
+            assert torch.equal(monarch.inspect(out, host=0, gpu=gpu), want), (kind, scatter, gpu)
+        with pytest.raises(monarch.RemoteError, match=r"(?s)failed on rank 3 .*index out of range"):
+            monarch.inspect(out, host=1, gpu=0)  # its own input was fine
+        with pytest.raises(monarch.RemoteError, match="index"):
+            monarch.inspect(out, host=1, gpu=1)
+    assert monarch.inspect(fine, host=1, gpu=0).tolist() == [2.0, 2.0]
+
+
+def test_reduce_rejects_avg_of_integers_and_an_all_to_all_of_the_wrong_length(mesh):
+    with mesh.activate():
+        ints = torch.ones(4, dtype=torch.long)
+        with pytest.raises(ValueError, match="'avg' needs a floating-point tensor, got torch.int64"):
+            ints.reduce("gpu", "avg")
+        with pytest.raises(ValueError, match=r"needs a leading dimension of 2 .* got shape \(4,\)"):
+            ints.reduce("gpu", "stack", scatter=True)
+        ok = ints.reshape(2, 2).reduce("gpu", "stack", scatter=True)
+    assert monarch.inspect(ok).tolist() == [[1, 1], [1, 1]]
+
+
 def _line(text: str) -> str:
     """The source line the error names as the op's origin."""
     import linecache
@@ -186,6 +223,7 @@ def test_freed_handles_are_deleted_on_workers(mesh):
     assert after - before < 10, (before, after)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the workers have CUDA here")
 def test_cuda_request_on_a_cpu_mesh_warns_once(mesh):
     with pytest.warns(UserWarning, match="no CUDA") as record:
         with mesh.activate():
