@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.overrides import TorchFunctionMode
+from torch.utils import _device as torch_device
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
@@ -52,7 +53,6 @@ class Engine:
         # A shape error is raised to the user at the op; torch would also log it with a traceback.
         logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
         self.cpu_only = all(info.get("device", "cpu").startswith("cpu") for info in spawned.info)
-        self.warned_cuda = False
 
     def push(self, ranks: tuple[int, ...], cmd: tuple, stream: Stream | None = None) -> None:
         """Queue `cmd` for `ranks`, on `stream` (default: the active one)."""
@@ -460,7 +460,8 @@ def _new(engine: Engine, mesh, shape: tuple, dtype, device) -> Tensor:
 
 
 class _Devices(TorchFunctionMode):
-    """On a mesh without CUDA, `device="cuda"` (explicit or the default device) means the CPU.
+    """On a mesh without CUDA, "cuda" means the CPU: `device="cuda"`, the default device set by
+    `torch.set_default_device("cuda")`, `t.to("cuda")`, `t.cuda()` and `module.to("cuda")`.
 
     Runs before torch parses the arguments, which would otherwise try to initialize CUDA here.
     """
@@ -471,17 +472,36 @@ class _Devices(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            _warn_cuda()
+            return args[0].to("cpu")
+        if func is torch.Tensor.to and any(_is_cuda(a) for a in args[1:]):
+            _warn_cuda()
+            args = tuple("cpu" if _is_cuda(a) else a for a in args)
         dev = kwargs.get("device")
-        if dev is None and func in _constructors() and torch.get_default_device().type == "cuda":
-            dev = "cuda"
-        if dev is not None and torch.device(dev).type == "cuda":
-            if not self.engine.warned_cuda:
-                self.engine.warned_cuda = True
-                warnings.warn(
-                    "the mesh's workers have no CUDA: tensors requested on 'cuda' are made on the CPU", stacklevel=2
-                )
+        if dev is None and func in _constructors() and _is_cuda(torch_device.CURRENT_DEVICE):
+            dev = "cuda"  # torch.set_default_device("cuda"), found without making a tensor (that would init CUDA)
+        if dev is not None and _is_cuda(dev):
+            _warn_cuda()
             kwargs = dict(kwargs, device="cpu")
         return func(*args, **kwargs)
+
+
+def _is_cuda(x: Any) -> bool:
+    if isinstance(x, torch.device):
+        return x.type == "cuda"
+    return isinstance(x, str) and x.split(":", 1)[0] == "cuda"
+
+
+_warned_cuda = False
+
+
+def _warn_cuda() -> None:
+    """Once per process: tutorials ask for "cuda" in many places."""
+    global _warned_cuda
+    if not _warned_cuda:
+        _warned_cuda = True
+        warnings.warn("the mesh's workers have no CUDA: tensors requested on 'cuda' are made on the CPU", stacklevel=3)
 
 
 def _constructors():

@@ -28,11 +28,30 @@ def fetch_shard(t: Tensor, **coords: int):
     flush(t._mesh)
     target = _rank_for(t, coords)
     with torch.utils._python_dispatch._disable_current_modes():
-        return RemoteFunction(tensor_worker.fetch, target)._start((t._ref,), {}, name="fetching a tensor")
+        return Shard(RemoteFunction(tensor_worker.fetch, target)._start((t._ref,), {}, name="fetching a tensor"))
+
+
+class Shard:
+    """One worker's value of a tensor, on its way: `result()` waits for it and returns a local tensor
+    (or raises the worker's error); `await` works too."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def done(self) -> bool:
+        return self._call.done()
+
+    def result(self, timeout: float | None = None) -> torch.Tensor:
+        with torch.utils._python_dispatch._disable_current_modes():
+            return next(iter(self._call.result(timeout)))
+
+    get = result
+
+    def __await__(self):
+        yield from self._call.__await__()
+        return self.result()
 
 
 def inspect(t: Tensor, **coords: int) -> torch.Tensor:
     """The value of `t` on the worker at `coords` (default: the first), as a local tensor."""
-    fut = fetch_shard(t, **coords)
-    with torch.utils._python_dispatch._disable_current_modes():
-        return next(iter(fut.result()))
+    return fetch_shard(t, **coords).result()

@@ -121,8 +121,8 @@ def test_crosswise_moves_between_meshes_from_two_threads_do_not_deadlock():
         ts = [threading.Thread(target=mover, args=a, daemon=True) for a in ((m1, m2, "A", 1.0), (m2, m1, "B", 2.0))]
         [t.start() for t in ts]
         [t.join(60) for t in ts]
-        a = monarch.fetch_shard(out["A"][-1]).result(timeout=30).item()
-        b = monarch.fetch_shard(out["B"][-1]).result(timeout=30).item()
+        a = monarch.fetch_shard(out["A"][-1]).result(timeout=30)
+        b = monarch.fetch_shard(out["B"][-1]).result(timeout=30)
         assert a.eq(1.0).all() and b.eq(2.0).all()
     finally:
         m1.exit()

@@ -1,5 +1,6 @@
 """The tensor engine: ops captured inside mesh.activate() run on the workers; values, collectives, failures."""
 
+import asyncio
 import os
 import signal
 import time
@@ -224,13 +225,27 @@ def test_freed_handles_are_deleted_on_workers(mesh):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the workers have CUDA here")
-def test_cuda_request_on_a_cpu_mesh_warns_once(mesh):
+def test_cuda_request_on_a_cpu_mesh_warns_once(mesh, monkeypatch):
+    """Every way a tutorial asks for "cuda" makes the tensor on the CPU of a mesh without CUDA, with one
+    warning per process."""
+    from monarch.runtime import tensor
+
+    monkeypatch.setattr(tensor, "_warned_cuda", False)
     with pytest.warns(UserWarning, match="no CUDA") as record:
-        with mesh.activate():
-            a = torch.rand(2, device="cuda")
-            b = torch.zeros(2, device="cuda")
-    assert len([w for w in record if "no CUDA" in str(w.message)]) <= 1
-    assert monarch.inspect(a + b).device.type == "cpu"
+        torch.set_default_device("cuda")  # the seed tutorial's first cell
+        try:
+            with mesh.activate():
+                a = torch.rand(2)
+                b = torch.zeros(2, device="cuda") + torch.ones(2, device=torch.device("cuda", 0))
+                c = torch.ones(2).to("cuda") * torch.ones(2).cuda()
+                lin = nn.Linear(2, 2).to("cuda")
+                d = lin(torch.ones(1, 2).to(torch.device("cuda"), torch.float32))
+        finally:
+            torch.set_default_device(None)
+    assert len([w for w in record if "no CUDA" in str(w.message)]) == 1
+    assert monarch.inspect(a + b + c).device.type == "cpu"
+    assert monarch.inspect(d).shape == (1, 2) and lin.weight.device.type == "cpu"
+    assert torch.get_default_device().type == "cpu" and type(torch.rand(1)) is torch.Tensor
 
 
 def test_to_mesh_pipelines_between_slices(mesh):
@@ -501,7 +516,12 @@ def test_reduce_on_a_split_view_and_fetch_shard(mesh):
         r = t.reduce(("pp", "tp"), "max")
     values = [monarch.inspect(t, dp=0, pp=p, tp=q) for p in range(2) for q in range(2)]
     fut = monarch.fetch_shard(r, dp=0, pp=1, tp=0)
-    assert torch.equal(fut.result().item(), torch.stack(values).amax(0))
+    assert torch.equal(fut.result(timeout=10), torch.stack(values).amax(0))  # a future of a local tensor
+    assert fut.done() and torch.equal(asyncio.run(_awaited(monarch.fetch_shard(r))), fut.result())
+
+
+async def _awaited(fut):
+    return await fut
 
 
 @pytest.mark.gpu
