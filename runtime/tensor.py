@@ -90,12 +90,31 @@ class Engine:
         for to, batch in batches.items():
             if batch:
                 with torch.utils._python_dispatch._disable_current_modes():
-                    frames = wire.encode(controller.key, ("ops",), wire.dumps(batch))
+                    try:
+                        body = wire.dumps(batch)
+                    except Exception:  # some op's argument cannot be pickled: that op fails, not the batch
+                        body = wire.dumps([_sendable(cmd) for cmd in batch])
+                    frames = wire.encode(controller.key, ("ops",), body)
                 controller.send(self.spawned, to, frames)
 
     def free(self, ref: int, stream_id: int, ranks: tuple[int, ...]) -> None:
         """Free `ref` on `ranks` (sent with the next batch, run on the stream that owns it); any thread."""
         self.dead.append((ranks, stream_id, ref))
+
+
+def _sendable(cmd: tuple) -> tuple:
+    """`cmd`, or, if it cannot be pickled, a command that poisons its results with the reason."""
+    try:
+        wire.dumps([cmd])
+        return cmd
+    except Exception as e:
+        if cmd[0] == "s":
+            return ("s", cmd[1], _sendable(cmd[2]))
+        if cmd[0] != "op":
+            raise  # our own commands hold nothing unpicklable
+        _, name, _, _, out, where = cmd
+        why = f"an argument of {name} cannot be sent to the workers: {type(e).__name__}: {e}"
+        return ("poison", out, "TypeError", why, where)
 
 
 def _engine(spawned) -> Engine:
@@ -233,6 +252,9 @@ class _Capture(TorchDispatchMode):
         self.mesh = mesh
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "profiler":  # record_function markers (e.g. in optimizer.step()): the controller's
+            with torch.utils._python_dispatch._disable_current_modes():
+                return func(*args, **(kwargs or {}))
         return _run(self.mesh, func, args, kwargs or {})
 
 

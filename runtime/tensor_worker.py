@@ -261,6 +261,9 @@ def _run_one(cmd: tuple) -> None:
             _table.pop(i, None)
     elif kind == "seed":
         torch.manual_seed(cmd[1])
+    elif kind == "poison":  # an op the controller could not send
+        _, out, exc_type, message, where = cmd
+        _store(out, Poison(exc_type, message, "", where))
 
 
 def _run_op(name: str, args: tuple, kwargs: dict, out: Any, where: str) -> None:

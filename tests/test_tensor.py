@@ -590,3 +590,46 @@ def test_a_live_call_runs_after_the_ops_of_every_stream_and_gets_none_of_their_o
         assert monarch.inspect(out).tolist() == [2.0, 2.0]
     finally:
         fresh.exit()
+
+
+def test_an_optimizer_steps_handles_as_it_steps_local_tensors(mesh):
+    """optimizer.step() inside activate() (its profiler markers stay on the controller) matches local torch."""
+    w0, x = torch.arange(6.0).reshape(2, 3) / 10, torch.arange(12.0).reshape(4, 3) / 10
+
+    def train(model):
+        with torch.no_grad():
+            model.weight.copy_(w0)
+            model.bias.zero_()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+        for _ in range(3):
+            opt.zero_grad()
+            ((model(x) - 1) ** 2).mean().backward()
+            opt.step()
+        return model.weight
+
+    local = train(nn.Linear(3, 2))
+    with mesh.activate():
+        remote = train(nn.Linear(3, 2))
+    for value in _all(remote, mesh):
+        assert torch.allclose(value, local.detach(), atol=1e-6)
+
+
+def test_an_op_whose_argument_cannot_be_sent_fails_alone(mesh):
+    """A command that cannot be pickled poisons its own result; the rest of its batch still runs."""
+    import threading
+
+    from monarch.runtime.tensor import _engine
+
+    with mesh.activate():
+        before = torch.ones(2) * 7
+    engine = _engine(mesh._spawned)
+    bad = monarch.Tensor(torch.empty(2), next(engine.ids), mesh)  # the handle of the crafted op's result
+    engine.push(
+        mesh._shape.ranks,
+        ("op", "aten::add.Tensor", (tensor_worker.Ref(before._ref), threading.Lock()), {}, bad._ref, "here:1"),
+    )
+    with mesh.activate():
+        after = before + 1
+    with pytest.raises(monarch.RemoteError, match="an argument of aten::add.Tensor cannot be sent to the workers"):
+        monarch.inspect(bad)
+    assert monarch.inspect(before).tolist() == [7.0, 7.0] and monarch.inspect(after).tolist() == [8.0, 8.0]
