@@ -150,7 +150,8 @@ class Tensor(torch.Tensor):
         r._meta, r._fake, r._ref, r._mesh = meta, None, ref, mesh
         r._stream = stream if stream is not None else get_active_stream()
         r._borrow = None  # for a borrowed view: the Borrow that made it
-        r._lent = []  # Borrows of this tensor not yet dropped
+        r._lent = []  # Borrows of this tensor (and its views) not yet dropped
+        r._root = None  # for a view (or an in-place op's result): the handle that owns the memory
         r._engine_ref = weakref.ref(_engine(mesh._spawned))
         return r
 
@@ -289,7 +290,7 @@ def _run(mesh, func, args: tuple, kwargs: dict) -> Any:
         _check_alive(func, spawned)
     engine = _engine(spawned)
     stream = get_active_stream()
-    mutated = _mutated_args(func, args)
+    mutated = _mutated_args(func, args, kwargs)
     tensors: list[torch.Tensor] = []
     key_parts: list = [func]
     wire_args = _walk(args, tensors, key_parts)
@@ -302,7 +303,8 @@ def _run(mesh, func, args: tuple, kwargs: dict) -> Any:
                     f"{mesh._shape.describe()}.activate(); a tensor is used only on the mesh that made it "
                     "(move it there with t.to_mesh(that_mesh))"
                 )
-            if x._stream is not stream or x._lent or x._borrow is not None:
+            root = x._root if x._root is not None else x
+            if x._stream is not stream or root._lent or root._borrow is not None:
                 _check_stream(func, x, stream, mutating=id(x) in mutated)
     try:
         key = tuple(key_parts)
@@ -323,6 +325,7 @@ def _run(mesh, func, args: tuple, kwargs: dict) -> Any:
         if key is not None and len(engine.specs) < 100_000:
             engine.specs[key] = spec
     out = _build(spec, engine, mesh, stream)
+    _note_aliases(func, args, kwargs, out)
     engine.push(mesh._shape.ranks, ("op", func.name(), wire_args, wire_kwargs, _ids_like(out), _where()), stream)
     return out
 
@@ -394,33 +397,66 @@ def _build(spec: Any, engine: Engine, mesh, stream: Stream) -> Any:
     return spec
 
 
-def _mutated_args(func, args: tuple) -> set[int]:
+def _mutated_args(func, args: tuple, kwargs: dict) -> set[int]:
     """ids of the arguments `func` writes to (in-place ops and out= forms)."""
     out = set()
     schema = getattr(func, "_schema", None)
     if schema is None or not schema.is_mutable:
         return out
-    for a, v in zip(schema.arguments, args):
+    for i, a in enumerate(schema.arguments):
         if a.alias_info is not None and a.alias_info.is_write:
-            out.add(id(v))
+            out.add(id(args[i] if i < len(args) else kwargs.get(a.name)))
     return out
+
+
+_alias_plans: dict[Any, list[tuple[int, int, str]]] = {}
+
+
+def _note_aliases(func, args: tuple, kwargs: dict, out: Any) -> None:
+    """Results that share memory with an input (views, in-place results) remember whose memory it is, so
+    that the borrow rules of that tensor cover them too."""
+    plan = _alias_plans.get(func)
+    if plan is None:
+        plan = []
+        schema = getattr(func, "_schema", None)
+        if schema is not None:
+            for r, ret in enumerate(schema.returns):
+                sets = ret.alias_info.before_set if ret.alias_info is not None else set()
+                for i, a in enumerate(schema.arguments):
+                    if a.alias_info is not None and sets & a.alias_info.before_set:
+                        plan.append((r, i, a.name))
+        _alias_plans[func] = plan
+    for r, i, name in plan:
+        src = args[i] if i < len(args) else kwargs.get(name)
+        if not isinstance(src, Tensor):
+            continue
+        result = out[r] if isinstance(out, tuple) and len(out) > r and not isinstance(out, list) else out
+        for o in result if isinstance(result, list | tuple) else (result,):
+            if isinstance(o, Tensor) and o is not src:
+                o._root = src._root if src._root is not None else src
 
 
 def _check_stream(func, x: Tensor, stream: Stream, mutating: bool = False) -> None:
     """The borrow rules; a TypeError that says which rule and where the borrow was made."""
     what = str(func)
-    b = x._borrow
+    root = x._root if x._root is not None else x
+    b = root._borrow
     if b is not None and b.dropped:
         raise _reject(
             f"{what}: a borrowed tensor used after its borrow was dropped (borrowed at {b.where}, dropped at "
             f"{b.dropped_at}); use the original tensor on stream {b.from_stream.name!r} instead"
+        )
+    if b is not None and mutating and not b.mutable:
+        raise _reject(
+            f"{what}: this tensor is {b.describe()}, so it may not be changed there "
+            "(borrow with mutable=True to change it on the borrowing stream)"
         )
     if x._stream is not stream:
         raise _reject(
             f"{what}: a tensor of stream {x._stream.name!r} used on stream {stream.name!r}; a stream uses only its "
             f"own tensors: lend it with {stream.name}.borrow(t) (see monarch.Stream.borrow)"
         )
-    for lent in x._lent:
+    for lent in root._lent:
         if lent.mutable:
             raise _reject(
                 f"{what}: this tensor is {lent.describe()}; its stream {x._stream.name!r} may use it again only "
@@ -437,11 +473,12 @@ def borrow(to: Stream, t: Tensor, mutable: bool) -> tuple[Tensor, Borrow]:
     """`to.borrow(t, mutable)`: see `monarch.Stream.borrow`."""
     if not isinstance(t, Tensor):
         raise TypeError(f"borrow: needs a monarch.Tensor (made inside mesh.activate()), got {type(t).__name__}")
-    if t._borrow is not None:
-        raise _reject(f"borrow: this tensor is itself borrowed (at {t._borrow.where}); borrow the original")
+    root = t._root if t._root is not None else t  # a view is borrowed with the memory it shares
+    if root._borrow is not None:
+        raise _reject(f"borrow: this tensor is itself borrowed (at {root._borrow.where}); borrow the original")
     if t._stream is to:
         raise _reject(f"borrow: the tensor already belongs to stream {to.name!r}")
-    for lent in t._lent:
+    for lent in root._lent:
         if lent.mutable or mutable:
             raise _reject(f"borrow: this tensor is already {lent.describe()}; drop that borrow first")
     where = _where()
@@ -451,14 +488,15 @@ def borrow(to: Stream, t: Tensor, mutable: bool) -> tuple[Tensor, Borrow]:
     alias = Tensor(t._meta, next(engine.ids), mesh, stream=to)
     alias._borrow = b
     b.alias_ref = alias._ref
-    t._lent.append(b)
+    root._lent.append(b)
+    owner_ref = weakref.ref(root)  # not the tensor itself: the borrow must not keep it alive
     engine.push(mesh._shape.ranks, ("borrow", b.id, t._stream.id, to.id, t._ref, alias._ref), stream=MAIN)
 
     def drop(bb: Borrow) -> None:
         bb.dropped_at = _where()
-        origin = bb.origin()
-        if origin is not None and bb in origin._lent:
-            origin._lent.remove(bb)
+        owner = owner_ref()
+        if owner is not None and bb in owner._lent:
+            owner._lent.remove(bb)
         engine.push(mesh._shape.ranks, ("drop", bb.id, bb.from_stream.id, bb.to_stream.id, bb.alias_ref), stream=MAIN)
 
     b._drop = drop

@@ -25,6 +25,12 @@ def fetch_shard(t: Tensor, **coords: int):
         raise TypeError(f"fetch_shard: needs a monarch.Tensor, got {type(t).__name__}")
     if t._mesh._spawned.state != "running":
         _check_alive("inspect", t._mesh._spawned)
+    b = (t._root if t._root is not None else t)._borrow
+    if b is not None and b.dropped:
+        raise TypeError(
+            f"inspect: a borrowed tensor used after its borrow was dropped (borrowed at {b.where}, dropped at "
+            f"{b.dropped_at}); inspect the original tensor instead"
+        )
     flush(t._mesh)
     target = _rank_for(t, coords)
     with torch.utils._python_dispatch._disable_current_modes():

@@ -428,6 +428,40 @@ def test_borrow_misuse_is_explained(mesh):
     assert torch.equal(monarch.inspect(u), torch.full((3,), 6.0))
     with comms.activate():
         assert torch.equal(monarch.inspect(v), torch.full((3,), 10.0))
+    with pytest.raises(TypeError, match="inspect: a borrowed tensor used after its borrow was dropped"):
+        monarch.inspect(seen)
+
+
+def test_borrow_rules_cover_views_out_arguments_and_the_borrowing_stream(mesh):
+    """A view shares its tensor's memory, and so its borrows; `out=` writes; an immutable borrow is
+    read-only on the borrowing stream too."""
+    comms = monarch.Stream("comms3")
+    with mesh.activate():
+        t = torch.ones(4)
+        early_view = t[:2]  # made before the borrow
+        t_comms, b = comms.borrow(t, mutable=True)
+        with pytest.raises(TypeError, match="mutably borrowed by stream 'comms3'"):
+            early_view.add_(100)
+        with comms.activate():
+            t_comms[2:].mul_(3)  # the borrower may write through a view of its borrow
+        b.drop()
+        with pytest.raises(TypeError, match="used after its borrow was dropped"):
+            with comms.activate():
+                t_comms[:1] + 1  # nor may a view of a dropped borrow be used
+        view_comms, b_view = comms.borrow(t[1:], mutable=True)  # borrowing a view lends the memory it shares
+        with pytest.raises(TypeError, match="mutably borrowed"):
+            t + 1
+        b_view.drop()
+        seen, b2 = comms.borrow(t)
+        with pytest.raises(TypeError, match="immutably borrowed .* may not be changed"):
+            torch.add(t, 1, out=t)
+        with comms.activate():
+            with pytest.raises(TypeError, match="immutably borrowed .* may not be changed there"):
+                seen.add_(1)
+            with pytest.raises(TypeError, match="immutably borrowed .* may not be changed there"):
+                seen[:1].zero_()
+        b2.drop()
+    assert monarch.inspect(t).tolist() == [1.0, 1.0, 3.0, 3.0]
 
 
 def _rss_kib(pid: int) -> int:
