@@ -16,6 +16,8 @@ import logging
 import os
 import sys
 import threading
+import time
+import traceback
 import warnings
 import weakref
 from typing import Any
@@ -68,8 +70,10 @@ class Engine:
                 self._send(ranks)
 
     def flush(self) -> None:
-        """Send every pending command now."""
+        """Send every pending command now (frees too, even with no command pending)."""
         with self.lock:
+            if not self.batches and self.dead:
+                self._send(())
             for ranks in list(self.batches):
                 self._send(ranks)
 
@@ -124,10 +128,38 @@ def _engine(spawned) -> Engine:
             engine = getattr(spawned, "engine", None)
             if engine is None:
                 engine = spawned.engine = Engine(spawned)
+                _engines.add(engine)
+                if len(_engines) == 1 and not _reaper_started:
+                    _start_reaper()
     return engine
 
 
 _engines_lock = threading.Lock()
+_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+_reaper_started = False
+FREE_DELAY = 0.1
+"""Seconds a freed handle waits for a batch to ride on before it is sent alone (`del t` in an idle notebook)."""
+
+
+def _start_reaper() -> None:
+    """A thread that sends frees nobody else sends: polls (a free runs inside `__del__`, where waking a
+    thread through a lock could deadlock)."""
+    global _reaper_started
+    _reaper_started = True
+
+    def reap() -> None:
+        while True:
+            time.sleep(FREE_DELAY)
+            for engine in list(_engines):
+                if engine.dead and engine.spawned.state == "running" and engine.lock.acquire(blocking=False):
+                    try:  # (a busy engine sends them with its next batch)
+                        engine.flush()
+                    except Exception:
+                        traceback.print_exc(file=sys.__stderr__)
+                    finally:
+                        engine.lock.release()
+
+    threading.Thread(target=reap, name="monarch-frees", daemon=True).start()
 
 
 class Tensor(torch.Tensor):

@@ -469,6 +469,23 @@ def _rss_kib(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
+def test_a_deleted_handle_is_freed_on_the_workers_without_another_command(mesh):
+    """`del big` in an idle notebook frees the workers' memory soon, not at the next command."""
+    import gc
+
+    pids = worker_pids(mesh)
+    with mesh.activate():
+        big = torch.ones(32 * 1024 * 1024)  # 128 MiB on each worker
+    _all(big[:1], mesh)  # made on every worker
+    before = [_rss_kib(p) for p in pids]
+    del big
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not all(_rss_kib(p) < b - 100_000 for p, b in zip(pids, before)):
+        time.sleep(0.05)
+    assert all(_rss_kib(p) < b - 100_000 for p, b in zip(pids, before)), (before, [_rss_kib(p) for p in pids])
+
+
 @pytest.mark.timeout(120)
 def test_worker_memory_is_flat_over_a_1000_step_training_loop(mesh):
     dp = mesh.flatten("dp")
