@@ -305,13 +305,32 @@ def _mesh_of(args, kwargs) -> Any:
 
 
 def _where() -> str:
-    """The user's line that issued an op: the first frame outside torch and monarch."""
+    """The user's line that issued an op: the first frame outside torch and monarch (a notebook cell is
+    named as IPython names it, `Cell In[5], line 2`). On a thread that issues ops for a user's line (the
+    backward pass of grad_generator), that line."""
     f = sys._getframe(2)
-    while f is not None and (f.f_code.co_filename.startswith((_HERE, _TORCH)) or "contextlib" in f.f_code.co_filename):
+    while f is not None and (f.f_code.co_filename.startswith(_NOT_USERS) or "contextlib" in f.f_code.co_filename):
         f = f.f_back
     if f is None:
-        return "?"
-    return f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}"
+        return getattr(_issuer, "where", "?")
+    filename, func = f.f_code.co_filename, f.f_code.co_name
+    cell = _cell_name(filename) if "ipykernel_" in filename else None
+    if cell is not None:
+        return f"{cell}, line {f.f_lineno}" + ("" if func == "<module>" else f" in {func}")
+    return f"{filename}:{f.f_lineno} in {func}"
+
+
+_NOT_USERS = (_HERE, _TORCH, threading.__file__)
+_issuer = threading.local()
+"""`.where`: set on threads whose ops are issued on behalf of one user line."""
+
+
+def _cell_name(filename: str) -> str | None:
+    """`Cell In[5]` for the file IPython compiled cell 5 into, else None."""
+    ip = sys.modules.get("IPython")
+    shell = ip.get_ipython() if ip is not None else None
+    number = getattr(getattr(shell, "compile", None), "_filename_map", {}).get(filename)
+    return None if number is None else f"Cell In[{number}]"
 
 
 def _run(mesh, func, args: tuple, kwargs: dict) -> Any:

@@ -9,7 +9,7 @@ import threading
 import torch
 
 from monarch.runtime.streams import get_active_stream
-from monarch.runtime.tensor import Tensor, _check_alive, _check_stream, _engine, _new, _where
+from monarch.runtime.tensor import Tensor, _check_alive, _check_stream, _engine, _issuer, _new, _where
 
 
 def reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool = False) -> Tensor:
@@ -127,7 +127,10 @@ def grad_generator(loss: Tensor, params, grad_outputs=None):
 
     handles = [p.register_hook(hook(i)) for i, p in enumerate(params)]
 
+    where = _where()
+
     def backward():
+        _issuer.where = f"{where} (the backward pass of grad_generator)"
         try:
             state["result"] = torch.autograd.grad(loss, params, grad_outputs=grad_outputs, allow_unused=True)
         except BaseException as e:

@@ -276,3 +276,15 @@ def test_mesh_variable_and_saved_handle(kernel: Kernel):
     pids = kernel.value("[row['pid'] for row in pair.to_table().rows]")
     assert kernel.run("pair.exit()").status == "ok"
     assert wait_gone(pids, 5) == []
+
+
+def test_a_failed_tensor_op_names_its_notebook_cell(kernel: Kernel):
+    code = (
+        "import torch, monarch\nm = get_ipython().run_line_magic('mesh', 'status').mesh\n"
+        "with m.activate():\n    bad = torch.rand(2, 1024**4 * 8)\nmonarch.inspect(bad)"
+    )
+    r = kernel.run(code)
+    assert r.status == "error"
+    cell = re.search(r"Cell In\[(\d+)\], line 4", r.text())
+    assert cell, r.text()
+    assert "ipykernel_" not in r.text().split("the failing op was issued at", 1)[1].split("\n", 1)[0]

@@ -1,6 +1,7 @@
 """The tensor engine: ops captured inside mesh.activate() run on the workers; values, collectives, failures."""
 
 import asyncio
+import inspect
 import os
 import signal
 import time
@@ -467,6 +468,27 @@ def test_borrow_rules_cover_views_out_arguments_and_the_borrowing_stream(mesh):
 def _rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_ops_of_the_backward_pass_of_grad_generator_name_the_line_that_asked_for_it(mesh, monkeypatch):
+    """The backward pass runs on a thread of its own: its ops are attributed to the user's line."""
+    from monarch.runtime.tensor import _engine
+
+    engine = _engine(mesh._spawned)
+    with mesh.activate():
+        lin = nn.Linear(2, 2)
+        loss = lin(torch.ones(1, 2)).sum()
+        engine.flush()
+        sent, send = [], engine._send
+        monkeypatch.setattr(engine, "_send", lambda ranks: (sent.extend(engine.batches.get(ranks, [])), send(ranks)))
+        grads = list(monarch.grad_generator(loss, [lin.bias, lin.weight]))
+        line = inspect.currentframe().f_lineno - 1
+        engine.flush()
+    wheres = {cmd[-1] for cmd in sent if cmd[0] == "op"}
+    assert wheres == {
+        f"{__file__}:{line} in {test_ops_of_the_backward_pass_of_grad_generator_name_the_line_that_asked_for_it.__name__} (the backward pass of grad_generator)"
+    }
+    assert monarch.inspect(grads[0]).tolist() == [1.0, 1.0]
 
 
 def test_a_deleted_handle_is_freed_on_the_workers_without_another_command(mesh):
