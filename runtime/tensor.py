@@ -350,9 +350,9 @@ def _run(mesh, func, args: tuple, kwargs: dict) -> Any:
         if isinstance(x, Tensor):
             if x._mesh is not mesh and (x._mesh._spawned is not spawned or x._mesh._shape.ranks != mesh._shape.ranks):
                 raise _reject(
-                    f"{func}: a tensor on mesh {x._mesh._shape.describe()} used inside "
-                    f"{mesh._shape.describe()}.activate(); a tensor is used only on the mesh that made it "
-                    "(move it there with t.to_mesh(that_mesh))"
+                    f"{func}: a tensor on mesh {_name_view(x._mesh, mesh)} used inside {_name_view(mesh, x._mesh)}"
+                    ".activate(); a tensor is used only on the mesh that made it (move it there with "
+                    "t.to_mesh(that_mesh))"
                 )
             root = x._root if x._root is not None else x
             if x._stream is not stream or root._lent or root._borrow is not None:
@@ -379,6 +379,20 @@ def _run(mesh, func, args: tuple, kwargs: dict) -> Any:
     _note_aliases(func, args, kwargs, out)
     engine.push(mesh._shape.ranks, ("op", func.name(), wire_args, wire_kwargs, _ids_like(out), _where()), stream)
     return out
+
+
+def _name_view(view, other) -> str:
+    """A mesh view's shape, and what tells it from `other` where the shapes read the same: its ranks
+    (two slices of one mesh), or its spawn number (two spawned meshes)."""
+    text = view._shape.describe()
+    if text == other._shape.describe():
+        if view._spawned is not other._spawned:
+            return f"{text} (spawned mesh #{view._spawned.mesh_id})"
+        ranks = view._shape.ranks
+        if list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+            return f"{text} (ranks {ranks[0]}-{ranks[-1]})"
+        return f"{text} (ranks {', '.join(map(str, ranks))})"
+    return text
 
 
 def _check_alive(what, spawned) -> None:

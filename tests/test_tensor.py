@@ -205,6 +205,15 @@ def test_cross_mesh_use_is_a_type_error(mesh):
         with mesh.slice(host=0).activate():  # another view of the same workers, but not all of them
             with pytest.raises(TypeError, match="used only on the mesh that made it"):
                 t * 3
+            with pytest.raises(TypeError, match="reduce: a tensor on mesh .* used only on the mesh that made it"):
+                t.reduce("gpu")  # a collective too
+        stages = [mesh.slice(host=h) for h in range(2)]
+        with stages[0].activate():
+            s0 = torch.ones(2)
+        with stages[1].activate():  # the two slices have one shape: their ranks tell them apart
+            with pytest.raises(TypeError, match=r"mesh \{gpu: 2\} \(ranks 0-1\) used inside \{gpu: 2\} \(ranks 2-3\)"):
+                s0 + 1
+            assert monarch.inspect(s0.to_mesh(stages[1]) + 1).tolist() == [2.0, 2.0]  # moving it is the way
         # outside activate(), ops on a handle still run on its own mesh (autograd's backward may run there)
         assert torch.equal(monarch.inspect(t + 1), torch.full((2,), 2.0))
     finally:
