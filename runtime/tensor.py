@@ -29,6 +29,7 @@ from torch.utils import _device as torch_device
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from monarch.runtime import tensor_known as known_values
 from monarch.runtime import wire
 from monarch.runtime.streams import MAIN, Borrow, Stream, get_active_stream
 from monarch.runtime.tensor_worker import Ref
@@ -184,6 +185,7 @@ class Tensor(torch.Tensor):
         r._borrow = None  # for a borrowed view: the Borrow that made it
         r._lent = []  # Borrows of this tensor (and its views) not yet dropped
         r._root = None  # for a view (or an in-place op's result): the handle that owns the memory
+        r._value = None  # the value, where the controller knows it (see tensor_known)
         r._engine_ref = weakref.ref(_engine(mesh._spawned))
         return r
 
@@ -362,21 +364,36 @@ def _run(mesh, func, args: tuple, kwargs: dict) -> Any:
         spec = engine.specs.get(key)
     except TypeError:  # an argument that cannot be hashed: no caching for this op
         key, spec = None, None
+    known = known_values.all_known(tensors, Tensor) and known_values.deterministic(func)
     if spec is None:
         try:
             spec = _fake_run(engine, func, args, kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
-            if any(isinstance(x, Tensor) for x in tensors):
-                raise _reject(
-                    f"{func}: the result depends on the tensor's values, which live on the workers; "
-                    "fetch them first: monarch.inspect(t) (e.g. monarch.inspect(t).item())"
-                ) from None
-            with torch.utils._python_dispatch._disable_current_modes():  # local tensors only: run here
-                return func(*args, **kwargs)
+            if not any(isinstance(x, Tensor) for x in tensors):  # local tensors only: run here
+                with torch.utils._python_dispatch._disable_current_modes():
+                    return func(*args, **kwargs)
+            if known:  # e.g. `.item()` of a step counter: the controller has the value
+                return known_values.compute(func, args, kwargs, Tensor)
+            raise _reject(
+                f"{func}: the result depends on the tensor's values, which live on the workers; "
+                "fetch them first: monarch.inspect(t) (e.g. monarch.inspect(t).item())"
+            ) from None
         if key is not None and len(engine.specs) < 100_000:
             engine.specs[key] = spec
+    values = None
+    if known and known_values.small(spec):
+        try:
+            values = known_values.compute(func, args, kwargs, Tensor)
+        except Exception:  # the workers will say what is wrong
+            values = None
+    if values is None and mutated:
+        for x in tensors:
+            if id(x) in mutated and isinstance(x, Tensor):
+                known_values.forget(x)
     out = _build(spec, engine, mesh, stream)
     _note_aliases(func, args, kwargs, out)
+    if values is not None:
+        known_values.attach(out, values, Tensor)
     engine.push(mesh._shape.ranks, ("op", func.name(), wire_args, wire_kwargs, _ids_like(out), _where()), stream)
     return out
 
@@ -413,7 +430,8 @@ def _walk(obj: Any, tensors: list, key: list) -> Any:
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
         key.append(("local", tuple(obj.shape), obj.stride(), obj.dtype, obj.device))
-        return obj
+        with torch.utils._python_dispatch._disable_current_modes():
+            return obj.detach().clone()  # its value now: it is pickled when the batch goes, and may change before
     if isinstance(obj, tuple | list):
         key.append((type(obj), len(obj)))
         return type(obj)(_walk(o, tensors, key) for o in obj)
@@ -539,6 +557,7 @@ def borrow(to: Stream, t: Tensor, mutable: bool) -> tuple[Tensor, Borrow]:
     if not isinstance(t, Tensor):
         raise TypeError(f"borrow: needs a monarch.Tensor (made inside mesh.activate()), got {type(t).__name__}")
     root = t._root if t._root is not None else t  # a view is borrowed with the memory it shares
+    known_values.forget(t)  # the borrower may write it
     if root._borrow is not None:
         raise _reject(f"borrow: this tensor is itself borrowed (at {root._borrow.where}); borrow the original")
     if t._stream is to:

@@ -8,6 +8,7 @@ import threading
 
 import torch
 
+from monarch.runtime import tensor_known as known_values
 from monarch.runtime.streams import get_active_stream
 from monarch.runtime.tensor import (
     Tensor,
@@ -63,6 +64,8 @@ def reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool = False
         out_shape = (shape[0] // size, *shape[1:]) if scatter else shape
     engine = _engine(mesh._spawned)
     out = t if inplace else _new(engine, mesh, out_shape, t.dtype, t.device)
+    if inplace:
+        known_values.forget(t)
     cmd = ("reduce", t._ref, out._ref, group.gid, size, reduction, scatter, shape, t.dtype, t.device.type, _where())
     engine.push(mesh._shape.ranks, cmd)
     return out

@@ -674,15 +674,25 @@ def test_a_live_call_runs_after_the_ops_of_every_stream_and_gets_none_of_their_o
         fresh.exit()
 
 
-def test_an_optimizer_steps_handles_as_it_steps_local_tensors(mesh):
-    """optimizer.step() inside activate() (its profiler markers stay on the controller) matches local torch."""
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),
+        lambda p: torch.optim.Adam(p, lr=0.1),
+        lambda p: torch.optim.AdamW(p, lr=0.1, foreach=True),
+    ],
+    ids=["sgd", "adam", "adamw-foreach"],
+)
+def test_an_optimizer_steps_handles_as_it_steps_local_tensors(mesh, make_opt):
+    """optimizer.step() inside activate() matches local torch: its profiler markers stay on the
+    controller, and Adam's step counter (`.item()` each step) is a value the controller knows."""
     w0, x = torch.arange(6.0).reshape(2, 3) / 10, torch.arange(12.0).reshape(4, 3) / 10
 
     def train(model):
         with torch.no_grad():
             model.weight.copy_(w0)
             model.bias.zero_()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+        opt = make_opt(model.parameters())
         for _ in range(3):
             opt.zero_grad()
             ((model(x) - 1) ** 2).mean().backward()
@@ -694,6 +704,35 @@ def test_an_optimizer_steps_handles_as_it_steps_local_tensors(mesh):
         remote = train(nn.Linear(3, 2))
     for value in _all(remote, mesh):
         assert torch.allclose(value, local.detach(), atol=1e-6)
+
+
+def test_the_controller_answers_item_of_a_value_it_knows_and_explains_one_it_does_not(mesh):
+    with mesh.activate():
+        step = torch.tensor(0.0)
+        for _ in range(3):
+            step += 1
+        assert step.item() == 3.0 and bool(step > 2)  # no round trip: every worker holds the same
+        drawn = torch.rand(())  # differs per worker: only they know it
+        with pytest.raises(TypeError, match="the result depends on the tensor's values.*monarch.inspect"):
+            drawn.item()
+        step.add_(drawn)  # written with a value the controller does not know: forgotten
+        with pytest.raises(TypeError, match="the result depends on the tensor's values"):
+            step.item()
+    assert 3.0 <= monarch.inspect(step).item() < 4.0
+
+
+def test_a_local_tensor_is_sent_as_it_was_when_the_op_was_issued(mesh):
+    """The batch goes later; a local tensor changed meanwhile (here by another thread, which runs torch
+    locally) must not change what the op computes."""
+    import threading
+
+    buf = torch.zeros(2)
+    with mesh.activate():
+        y = torch.ones(2) + buf
+        filler = threading.Thread(target=lambda: buf.add_(5))
+        filler.start()
+        filler.join()
+    assert buf.tolist() == [5.0, 5.0] and monarch.inspect(y).tolist() == [1.0, 1.0]
 
 
 def test_an_op_whose_argument_cannot_be_sent_fails_alone(mesh):

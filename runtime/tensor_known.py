@@ -1,0 +1,80 @@
+"""Values the controller knows: small tensors that are the same on every worker.
+
+A handle made by a deterministic op from constants or other known values (a step counter such as
+`torch.optim.Adam`'s, a scalar built with `torch.tensor(0.0)`) also keeps its value on the controller,
+so that `.item()`, `if t:` and the like answer at once instead of needing a round trip; everything
+else stays on the workers. A known value is forgotten as soon as something the controller cannot
+compute writes to it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_map
+
+MAX_ELEMENTS = 1
+"""Largest result (elements) whose value the controller computes too: one element is what `.item()`
+and `bool(t)` read; more would slow every op on small tensors (~10 µs each) for little use."""
+
+_RANDOM = ("rand", "normal", "bernoulli", "dropout", "multinomial", "uniform", "exponential", "cauchy")
+_RANDOM += ("geometric", "poisson", "empty")  # `empty`: whatever the memory held
+_deterministic: dict[Any, bool] = {}
+
+
+def deterministic(func) -> bool:
+    """Whether `func` gives the same result on every worker for the same inputs."""
+    ok = _deterministic.get(func)
+    if ok is None:
+        schema = getattr(func, "_schema", None)
+        name = func.name() if hasattr(func, "name") else str(func)
+        ok = schema is not None and not any(a.name == "generator" for a in schema.arguments)
+        ok = ok and not any(r in name for r in _RANDOM)
+        _deterministic[func] = ok
+    return ok
+
+
+def small(spec: Any) -> bool:
+    """Whether every tensor in an op's output spec (shape, stride, dtype, device) is small."""
+    if isinstance(spec, tuple) and type(spec).__name__ == "_Meta":
+        return math.prod(spec[0]) <= MAX_ELEMENTS
+    if isinstance(spec, tuple | list):
+        return all(small(s) for s in spec)
+    return True
+
+
+def all_known(tensors: list, handle_type: type) -> bool:
+    return all(t._value is not None for t in tensors if isinstance(t, handle_type))
+
+
+def compute(func, args: tuple, kwargs: dict, handle_type: type) -> Any:
+    """`func` on the known values (on the CPU): the value every worker computes."""
+
+    def value(x):
+        return x._value if isinstance(x, handle_type) else x
+
+    a, k = tree_map(value, (args, kwargs))
+    if k.get("device") is not None:
+        k = dict(k, device="cpu")
+    with _disable_current_modes():
+        return func(*a, **k)
+
+
+def attach(out: Any, values: Any, handle_type: type) -> None:
+    """Give the handles in `out` the matching local values."""
+    if isinstance(out, handle_type):
+        if isinstance(values, torch.Tensor):
+            out._value = values.detach().clone()  # ours alone: may be the user's tensor (lift_fresh)
+    elif isinstance(out, tuple | list) and isinstance(values, tuple | list):
+        for o, v in zip(out, values):
+            attach(o, v, handle_type)
+
+
+def forget(t: Any) -> None:
+    """`t` (and the tensor whose memory it shares) was written by something the controller did not compute."""
+    t._value = None
+    if t._root is not None:
+        t._root._value = None
