@@ -647,6 +647,7 @@ def test_manual_seed_inside_activate_seeds_the_workers():
         seeded.exit()
 
 
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
 def test_a_live_call_runs_after_the_ops_of_every_stream_and_gets_none_of_their_output(capfd):
     """Ops queued on a side stream finish before a later live call starts, and a warning they print
     (from C++, straight to the file descriptor) is not part of that call's output."""
