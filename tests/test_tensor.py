@@ -630,6 +630,53 @@ def test_cuda_streams_and_borrows():
         gpus.exit()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_collectives_streams_failures_and_moves():
+    """On GPU workers: every reduction over NCCL, CPU tensors over gloo beside them, two streams over one
+    group (each its own NCCL copy), a failed input on one rank, and moves within and between meshes."""
+    from monarch.actor import this_host
+
+    n = torch.cuda.device_count()
+    gpus = this_host().spawn_procs({"gpu": n})
+    other = this_host().spawn_procs({"gpu": n})
+    side = monarch.Stream("side")
+    try:
+        with gpus.activate():
+            me = torch.arange(n, device="cuda").reduce("gpu", "stack", scatter=True)[:1].float()  # rank index
+            x = (me + 1).repeat(n)  # rank r holds [r+1] * n
+            results = {k: x.reduce("gpu", k) for k in ("sum", "avg", "max", "min", "product")}
+            stacked, scattered = x.reduce("gpu", "stack"), x.reduce("gpu", "sum", scatter=True)
+            cpu_sum = torch.ones(3, device="cpu").reduce("gpu")  # gloo, beside NCCL
+            pairs = []
+            for _ in range(10):
+                with side.activate():
+                    ra = torch.ones(4096, device="cuda").reduce("gpu")
+                pairs.append((ra, (torch.ones(4096, device="cuda") * 100).reduce("gpu")))
+            picked = torch.index_select(torch.arange(float(max(n - 1, 1)), device="cuda"), 0, me.long())
+            poisoned = picked.reduce("gpu")  # fails on the last rank (when n > 1)
+            within = x.to_mesh(gpus)
+        moved = x.to_mesh(other)
+        ranks = torch.arange(1.0, n + 1)
+        assert monarch.inspect(results["sum"]).tolist() == [ranks.sum().item()] * n
+        assert monarch.inspect(results["avg"]).tolist() == [ranks.mean().item()] * n
+        assert monarch.inspect(results["max"]).tolist() == [float(n)] * n
+        assert monarch.inspect(results["product"]).tolist() == [ranks.prod().item()] * n
+        assert torch.equal(monarch.inspect(stacked, gpu=n - 1), ranks.unsqueeze(1).repeat(1, n))
+        assert monarch.inspect(scattered, gpu=n - 1).tolist() == [ranks.sum().item()]
+        assert monarch.inspect(cpu_sum).tolist() == [float(n)] * 3
+        for ra, rb in pairs:
+            assert torch.all(monarch.inspect(ra) == n) and torch.all(monarch.inspect(rb) == 100 * n)
+        if n > 1:
+            with pytest.raises(monarch.RemoteError, match=f"failed on rank {n - 1}"):
+                monarch.inspect(poisoned, gpu=0)
+        assert torch.equal(monarch.inspect(within, gpu=n - 1), monarch.inspect(x, gpu=n - 1))
+        assert torch.equal(monarch.inspect(moved, gpu=n - 1), torch.full((n,), float(n)))
+    finally:
+        gpus.exit()
+        other.exit()
+
+
 def test_manual_seed_inside_activate_seeds_the_workers():
     from monarch.actor import this_host
 
