@@ -317,6 +317,8 @@ class Controller(StdinService):
             topics = [b"%d:%d|" % (mesh.mesh_id, r) for r in ranks]
         pub, rest = self.pub, frames[1:]
         with self.pub_lock:
+            if self._closed:  # shutting down (e.g. a late free from the reaper thread): nobody to send to
+                return
             for topic in topics:  # the topic prefixes the first frame: one frame for small messages
                 if rest:
                     with _no_interrupt_midway():
@@ -638,6 +640,8 @@ class Controller(StdinService):
                 self._fail(pending, RuntimeError(f"mesh {mesh.shape.describe()} was stopped during the call"))
         mesh.state = "stopped"
         self._mark_gone(mesh)
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(self.dir, f"interrupt-{mesh.mesh_id}"))  # workers and we keep our mappings
         self.meshes.pop(mesh.mesh_id, None)
         self._changed(mesh)
 
@@ -655,7 +659,8 @@ class Controller(StdinService):
         self._io.join(2)
         with self._waker_lock:
             self._waker.close(0)
-        self.pub.close(0)
+        with self.pub_lock:
+            self.pub.close(0)
         self.pull.close(0)
         self.zctx.term()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -192,8 +192,9 @@ class RemoteFunction:
         # from another thread must not overtake the message that carries the function.
         with spawned.order_lock:
             engine = getattr(spawned, "engine", None)
-            if engine is not None and engine.batches:
-                engine.flush()  # tensor commands issued before this call run before it
+            if engine is not None:
+                engine.flush()  # tensor commands issued before this call run before it (its lock also waits
+                # for a batch that another thread, e.g. the frees reaper, is sending right now)
             known = spawned.fns.get(blob)
             if known is None:
                 known = spawned.fns[blob] = (len(spawned.fns) + 1, set())

@@ -380,20 +380,20 @@ def _run(mesh, func, args: tuple, kwargs: dict) -> Any:
             ) from None
         if key is not None and len(engine.specs) < 100_000:
             engine.specs[key] = spec
-    values = None
+    values, computed = None, False
     if known and known_values.small(spec):
         try:
-            values = known_values.compute(func, args, kwargs, Tensor)
+            values, computed = known_values.compute(func, args, kwargs, Tensor), True
         except Exception:  # the workers will say what is wrong
-            values = None
-    if values is None and mutated:
+            pass
+    if not computed and mutated:
         for x in tensors:
             if id(x) in mutated and isinstance(x, Tensor):
                 known_values.forget(x)
     out = _build(spec, engine, mesh, stream)
-    _note_aliases(func, args, kwargs, out)
-    if values is not None:
-        known_values.attach(out, values, Tensor)
+    aliases = _note_aliases(func, args, kwargs, out)
+    if computed:
+        known_values.attach(out, values, Tensor, aliases, mutated)
     engine.push(mesh._shape.ranks, ("op", func.name(), wire_args, wire_kwargs, _ids_like(out), _where()), stream)
     return out
 
@@ -488,16 +488,21 @@ def _mutated_args(func, args: tuple, kwargs: dict) -> set[int]:
         return out
     for i, a in enumerate(schema.arguments):
         if a.alias_info is not None and a.alias_info.is_write:
-            out.add(id(args[i] if i < len(args) else kwargs.get(a.name)))
+            v = args[i] if i < len(args) else kwargs.get(a.name)
+            if isinstance(v, list | tuple):  # the foreach ops write every tensor of a list
+                out.update(id(e) for e in v)
+            else:
+                out.add(id(v))
     return out
 
 
 _alias_plans: dict[Any, list[tuple[int, int, str]]] = {}
 
 
-def _note_aliases(func, args: tuple, kwargs: dict, out: Any) -> None:
+def _note_aliases(func, args: tuple, kwargs: dict, out: Any) -> dict[int, Any]:
     """Results that share memory with an input (views, in-place results) remember whose memory it is, so
-    that the borrow rules of that tensor cover them too."""
+    that the borrow rules of that tensor cover them too. Returns id(result) -> the input it aliases."""
+    found: dict[int, Any] = {}
     plan = _alias_plans.get(func)
     if plan is None:
         plan = []
@@ -506,8 +511,12 @@ def _note_aliases(func, args: tuple, kwargs: dict, out: Any) -> None:
             for r, ret in enumerate(schema.returns):
                 sets = ret.alias_info.before_set if ret.alias_info is not None else set()
                 for i, a in enumerate(schema.arguments):
-                    if a.alias_info is not None and sets & a.alias_info.before_set:
+                    if a.alias_info is None:
+                        continue
+                    if sets & a.alias_info.before_set:
                         plan.append((r, i, a.name))
+                    elif ret.alias_info is not None and not sets and isinstance(ret.type, torch.ListType):
+                        plan.append((r, i, a.name))  # `Tensor(a)[]` (split, unbind): its sets are not exposed
         _alias_plans[func] = plan
     for r, i, name in plan:
         src = args[i] if i < len(args) else kwargs.get(name)
@@ -517,6 +526,8 @@ def _note_aliases(func, args: tuple, kwargs: dict, out: Any) -> None:
         for o in result if isinstance(result, list | tuple) else (result,):
             if isinstance(o, Tensor) and o is not src:
                 o._root = src._root if src._root is not None else src
+                found[id(o)] = src
+    return found
 
 
 def _check_stream(func, x: Tensor, stream: Stream, mutating: bool = False) -> None:

@@ -46,35 +46,67 @@ def small(spec: Any) -> bool:
     return True
 
 
+class Known:
+    """The controller's copy of one tensor's value on every worker; shared by the handles that are that
+    tensor (the one that made it, and the results of in-place ops on it). `value` None: forgotten."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value: torch.Tensor | None = value
+
+
+MAX_LOCAL_ELEMENTS = 16
+"""Local tensors an op may take and still be computed here (they are copied for it)."""
+
+
 def all_known(tensors: list, handle_type: type) -> bool:
-    return all(t._value is not None for t in tensors if isinstance(t, handle_type))
+    """Every handle among an op's tensors has a known value, and its local tensors are small."""
+    for t in tensors:
+        if isinstance(t, handle_type):
+            if t._value is None or t._value.value is None:
+                return False
+        elif t.numel() > MAX_LOCAL_ELEMENTS:
+            return False
+    return True
 
 
 def compute(func, args: tuple, kwargs: dict, handle_type: type) -> Any:
-    """`func` on the known values (on the CPU): the value every worker computes."""
+    """`func` on the known values (on the CPU): the value every worker computes. In-place ops update
+    the known values; the user's local tensors are only read (copies are passed)."""
 
     def value(x):
-        return x._value if isinstance(x, handle_type) else x
+        if isinstance(x, handle_type):
+            return x._value.value
+        if isinstance(x, torch.Tensor):
+            return x.detach().clone()
+        return x
 
-    a, k = tree_map(value, (args, kwargs))
-    if k.get("device") is not None:
-        k = dict(k, device="cpu")
     with _disable_current_modes():
+        a, k = tree_map(value, (args, kwargs))
+        if k.get("device") is not None:
+            k = dict(k, device="cpu")
         return func(*a, **k)
 
 
-def attach(out: Any, values: Any, handle_type: type) -> None:
-    """Give the handles in `out` the matching local values."""
+def attach(out: Any, values: Any, handle_type: type, aliases: dict[int, Any], mutated: set[int]) -> None:
+    """Give the handles in `out` their values: a new one for a fresh result; the very same for the result
+    of an in-place op (it is the tensor written); none for a view (another value, same memory)."""
     if isinstance(out, handle_type):
-        if isinstance(values, torch.Tensor):
-            out._value = values.detach().clone()  # ours alone: may be the user's tensor (lift_fresh)
+        src = aliases.get(id(out))
+        if src is None:
+            if isinstance(values, torch.Tensor):
+                out._value = Known(values.detach().clone())
+        elif id(src) in mutated:
+            out._value = src._value
     elif isinstance(out, tuple | list) and isinstance(values, tuple | list):
         for o, v in zip(out, values):
-            attach(o, v, handle_type)
+            attach(o, v, handle_type, aliases, mutated)
 
 
 def forget(t: Any) -> None:
-    """`t` (and the tensor whose memory it shares) was written by something the controller did not compute."""
-    t._value = None
-    if t._root is not None:
-        t._root._value = None
+    """`t` (and so the tensor whose memory it shares) was written by something the controller did not
+    compute: every handle of that tensor forgets the value."""
+    for h in (t, t._root):
+        if h is not None and h._value is not None:
+            h._value.value = None

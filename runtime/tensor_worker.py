@@ -271,15 +271,33 @@ def _run_op(name: str, args: tuple, kwargs: dict, out: Any, where: str) -> None:
     a = _resolve(args, poisons)
     k = _resolve(kwargs, poisons)
     if poisons:
-        _store(out, poisons[0])
+        _fail(name, args, kwargs, out, poisons[0])
         return
     try:
         value = _op(name)(*a, **k)
     except Exception as e:
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None))
-        _store(out, Poison(type(e).__qualname__, str(e), tb, where))
+        _fail(name, args, kwargs, out, Poison(type(e).__qualname__, str(e), tb, where))
         return
     _store(out, value)
+
+
+def _fail(name: str, args: tuple, kwargs: dict, out: Any, poison: Poison) -> None:
+    """Poison an op's results, and the tensors it would have written (in-place ops, out=): they no
+    longer hold what the program says they hold."""
+    _store(out, poison)
+    try:
+        schema = _op(name)._schema
+    except Exception:  # the op itself is unknown here: it wrote nothing
+        return
+    if not schema.is_mutable:
+        return
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            v = args[i] if i < len(args) else kwargs.get(arg.name)
+            for ref in v if isinstance(v, list | tuple) else (v,):
+                if isinstance(ref, Ref):
+                    _table[ref.id] = poison
 
 
 _REDUCE_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
@@ -404,10 +422,12 @@ def _link(name: str, rank: int, peer_mesh: int) -> Any:
         store = dist.PrefixStore(f"monarch/link/{name}/", groups.store)
         store.set(f"here/{rank}", b"1")
         other, gone = f"here/{1 - rank}", groups.gone_key(peer_mesh)
-        pause = 0.0005
+        pause, deadline = 0.0005, time.monotonic() + groups.timeout.total_seconds()
         while not store.check([other]):  # check, not wait: a timed-out wait logs a warning
             if groups.store.check([gone]):
                 raise RuntimeError("the other mesh stopped or failed before it took its side of the move")
+            if time.monotonic() > deadline:  # alive but never there, as long as a collective would wait
+                raise TimeoutError(f"the other mesh did not take its side of the move in {groups.timeout}")
             time.sleep(pause)
             pause = min(2 * pause, 0.02)
         pg = _links[name] = dist.ProcessGroupGloo(store, rank, 2, groups.timeout)

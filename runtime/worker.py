@@ -379,8 +379,7 @@ class Worker:
         _, call_id, fid, names, sizes, ranks, fn_blob, sources = header
         engine = sys.modules.get("monarch.runtime.tensor_worker")
         if engine is not None and engine._streams:
-            engine._sync_streams()  # a live call runs after every stream's earlier ops, as on the main stream,
-            self.output.flush()  # and what those printed is no part of the call
+            self.output.flush()  # what stream threads printed so far is no part of this call
         self.call_id = call_id
         key = (names, sizes, ranks)
         call_view = self.views.get(key)
