@@ -4,7 +4,8 @@ A handle made by a deterministic op from constants or other known values (a step
 `torch.optim.Adam`'s, a scalar built with `torch.tensor(0.0)`) also keeps its value on the controller,
 so that `.item()`, `if t:` and the like answer at once instead of needing a round trip; everything
 else stays on the workers. A known value is forgotten as soon as something the controller cannot
-compute writes to it.
+compute writes to it. (On GPU workers the value is computed on the controller's CPU: the last bit of
+a float may differ from the workers'.)
 """
 
 from __future__ import annotations
