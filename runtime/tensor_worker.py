@@ -155,24 +155,38 @@ def _group(gid: int, dev_type: str = "cpu") -> Any:
     if copy is None:
         ranks = dist.get_process_group_ranks(group)
         name = f"{groups.prefix}stream/{sid}/{gid}/{dev_type}/{'-'.join(map(str, ranks))}/"
-        store = dist.PrefixStore(name, groups.store)
-        if dev_type == "cuda":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = groups.timeout
-            opts.global_ranks_in_group = ranks
-            copy = dist.ProcessGroupNCCL(store, group.rank(), group.size(), opts)  # communicator made on first use
-        else:
-            copy = dist.ProcessGroupGloo(store, group.rank(), group.size(), groups.timeout)
-        _stream_groups[(sid, gid, dev_type)] = copy
+        copy = _stream_groups[(sid, gid, dev_type)] = _make_group(name, group.rank(), ranks, dev_type)
     return copy
 
 
-def _backend(gid: int, dev_type: str) -> Any:
-    """The backend (gloo or NCCL) of `_group(gid, dev_type)` that moves `dev_type` tensors, for sends."""
-    group = _group(gid, dev_type)
-    if isinstance(group, dist.ProcessGroup):
-        return group._get_backend(torch.device(dev_type))
-    return group
+def _make_group(name: str, rank: int, ranks: list[int], dev_type: str) -> Any:
+    """A group of `ranks` meeting under `name` in the mesh's store: gloo, or NCCL for CUDA tensors."""
+    store = dist.PrefixStore(name, groups.store)
+    if dev_type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = groups.timeout
+        opts.global_ranks_in_group = ranks
+        return dist.ProcessGroupNCCL(store, rank, len(ranks), opts)  # its communicator is made on first use
+    return dist.ProcessGroupGloo(store, rank, len(ranks), groups.timeout)
+
+
+_stream_pairs: dict[tuple, Any] = {}
+
+
+def _p2p(peer: int, dev_type: str) -> tuple[Any, int]:
+    """(backend, the peer's rank in it) for sends between this worker and global rank `peer`, on the
+    stream running here: the mesh's default group on main; elsewhere a two-worker group of the stream's
+    own, made by the two alone (a copy of the whole group would wait for workers the move skips)."""
+    me = dist.get_rank()
+    sid = getattr(_here, "sid", 0)
+    if sid == 0:
+        return groups._groups[groups.WORLD]._get_backend(torch.device(dev_type)), peer
+    lo, hi = sorted((me, peer))
+    pg = _stream_pairs.get((sid, lo, hi, dev_type))
+    if pg is None:
+        name = f"{groups.prefix}stream/{sid}/pair/{lo}-{hi}/{dev_type}/"
+        pg = _stream_pairs[(sid, lo, hi, dev_type)] = _make_group(name, 0 if me == lo else 1, [lo, hi], dev_type)
+    return pg, 1 if me == lo else 0
 
 
 def _on(sid: int, fn) -> None:
@@ -371,13 +385,12 @@ def _share_poison(group: Any, device: torch.device, mine: Poison | None, where: 
 
 
 def _to_mesh(src: int, out: int, pairs: list, shape: tuple, dtype, dev_type: str, where: str) -> None:
-    """Point-to-point copies within the mesh (its default group, this stream's copy of it); a poisoned
-    source sends a flag, so that no receiver hangs."""
+    """Point-to-point copies within the mesh; a poisoned source sends a flag, so that no receiver hangs."""
     me = dist.get_rank()
+    receiving = any(d == me and s != me for s, d in pairs)
     reqs, incoming, error = [], None, None
     try:
         device = _on_device(dev_type)
-        pg = _backend(groups.WORLD, dev_type)
         for s, d in pairs:
             if s == me and d == me:
                 v = _table.get(src)
@@ -387,24 +400,25 @@ def _to_mesh(src: int, out: int, pairs: list, shape: tuple, dtype, dev_type: str
                 bad = not isinstance(v, torch.Tensor)
                 data = torch.zeros(shape, dtype=dtype, device=device) if bad else v.detach().contiguous()
                 flag = torch.tensor([1 if bad else 0], device=device)  # on the data's device: one backend
-                reqs += [pg.send([flag], d, 0), pg.send([data], d, 1)]
+                pg, peer = _p2p(d, dev_type)
+                reqs += [pg.send([flag], peer, 0), pg.send([data], peer, 1)]
             elif d == me:
                 flag, data = (
                     torch.zeros(1, dtype=torch.long, device=device),
                     torch.empty(shape, dtype=dtype, device=device),
                 )
+                pg, peer = _p2p(s, dev_type)
                 incoming = (flag, data)
-                reqs += [pg.recv([flag], s, 0), pg.recv([data], s, 1)]
+                reqs += [pg.recv([flag], peer, 0), pg.recv([data], peer, 1)]
         for r in reqs:
             r.wait()
     except Exception as e:
-        error = e
-        tb = traceback.format_exc()
-    if incoming is not None:
-        flag, data = incoming
+        error, tb = e, traceback.format_exc()
+    if receiving:
         if error is not None:
             _table[out] = Poison(type(error).__qualname__, str(error), tb, where)
         else:
+            flag, data = incoming
             _table[out] = data if not flag.item() else Poison("RuntimeError", "the source value failed", "", where)
     elif error is not None:
         print(f"monarch: the move issued at {where} was not sent: {type(error).__name__}: {error}", file=sys.stderr)

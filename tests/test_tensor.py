@@ -338,6 +338,21 @@ def test_move_to_a_mesh_that_dies_before_taking_it_does_not_stall_the_sender(mes
         other.exit()
 
 
+def test_to_mesh_on_a_side_stream_between_views_that_leave_workers_out(mesh):
+    """On a stream other than main, a move uses two-worker groups of that stream's own: only the two
+    workers of each pair take part (a copy of the whole group would wait for the rest)."""
+    side = monarch.Stream("moves")
+    first, last = mesh.slice(host=0, gpu=0), mesh.slice(host=1, gpu=1)  # ranks 1 and 2 take no part
+    with side.activate():
+        with first.activate():
+            x = torch.arange(3.0) * 5
+        y = x.to_mesh(last)
+        with last.activate():
+            z = y + 1
+        assert monarch.inspect(z).tolist() == [1.0, 6.0, 11.0]
+        assert monarch.inspect(z.to_mesh(first)).tolist() == [1.0, 6.0, 11.0]
+
+
 def test_collectives_on_two_streams_over_one_group_do_not_mix(mesh):
     """Each stream runs on its own worker thread; reductions of two streams over the same dimension
     must still pair up with their own kind on every rank."""
