@@ -159,9 +159,22 @@ def _group(gid: int, dev_type: str = "cpu") -> Any:
     return copy
 
 
+def _thread_store() -> Any:
+    """This thread's own connection to the mesh's store. One connection serves one request at a time:
+    a stream thread waiting in it for a peer would keep another thread from publishing what that
+    peer waits for (two streams making their groups at once deadlocked)."""
+    if threading.current_thread() is threading.main_thread():
+        return groups.store
+    store = getattr(_here, "store", None)
+    if store is None:
+        store = _here.store = groups.store.clone()
+        store.set_timeout(groups.timeout)
+    return store
+
+
 def _make_group(name: str, rank: int, ranks: list[int], dev_type: str) -> Any:
     """A group of `ranks` meeting under `name` in the mesh's store: gloo, or NCCL for CUDA tensors."""
-    store = dist.PrefixStore(name, groups.store)
+    store = dist.PrefixStore(name, _thread_store())
     if dev_type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = groups.timeout
@@ -433,12 +446,12 @@ def _link(name: str, rank: int, peer_mesh: int) -> Any:
     arrive, or for the controller to mark the other mesh gone (then it raises: nobody waits 60 s)."""
     pg = _links.get(name)
     if pg is None:
-        store = dist.PrefixStore(f"monarch/link/{name}/", groups.store)
+        store = dist.PrefixStore(f"monarch/link/{name}/", _thread_store())
         store.set(f"here/{rank}", b"1")
         other, gone = f"here/{1 - rank}", groups.gone_key(peer_mesh)
         pause, deadline = 0.0005, time.monotonic() + groups.timeout.total_seconds()
         while not store.check([other]):  # check, not wait: a timed-out wait logs a warning
-            if groups.store.check([gone]):
+            if _thread_store().check([gone]):
                 raise RuntimeError("the other mesh stopped or failed before it took its side of the move")
             if time.monotonic() > deadline:  # alive but never there, as long as a collective would wait
                 raise TimeoutError(f"the other mesh did not take its side of the move in {groups.timeout}")

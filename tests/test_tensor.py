@@ -353,6 +353,33 @@ def test_to_mesh_on_a_side_stream_between_views_that_leave_workers_out(mesh):
         assert monarch.inspect(z.to_mesh(first)).tolist() == [1.0, 6.0, 11.0]
 
 
+def test_moves_on_two_side_streams_at_once_between_overlapping_views():
+    """Each stream thread makes its two-worker groups through a store connection of its own: with one
+    shared connection, two streams making theirs at once deadlocked."""
+    from monarch.actor import this_host
+
+    three = this_host().spawn_procs({"pp": 3})
+    lo, hi = three.slice(pp=range(0, 2)), three.slice(pp=range(1, 3))  # ranks (0, 1) and (1, 2)
+    s1, s2 = monarch.Stream("s1"), monarch.Stream("s2")
+    try:
+        results = []
+        for rnd in range(3):
+            with lo.activate(), s1.activate():
+                a = (torch.arange(2.0) + 100 + 10 * rnd).reduce("pp", "stack", scatter=True)  # pp=i holds [..+i]*2
+                up = a.to_mesh(hi)
+            with hi.activate(), s2.activate():
+                b = (torch.arange(2.0) + 200 + 10 * rnd).reduce("pp", "stack", scatter=True)
+                down = b.to_mesh(lo)
+            results.append((rnd, up, down))
+        for rnd, up, down in results:
+            for name, t, base in (("s1", up, 100), ("s2", down, 200)):
+                with (s1 if name == "s1" else s2).activate():
+                    got = [monarch.inspect(t, pp=i).tolist() for i in range(2)]
+                assert got == [[base + 10 * rnd] * 2, [base + 10 * rnd + 1] * 2], (name, rnd, got)
+    finally:
+        three.exit()
+
+
 def test_collectives_on_two_streams_over_one_group_do_not_mix(mesh):
     """Each stream runs on its own worker thread; reductions of two streams over the same dimension
     must still pair up with their own kind on every rank."""
