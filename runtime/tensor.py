@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_map
 from monarch.runtime import tensor_known as known_values
 from monarch.runtime import wire
 from monarch.runtime.streams import MAIN, Borrow, Stream, get_active_stream
-from monarch.runtime.tensor_worker import Ref
+from monarch.runtime.tensor_worker import Ref, unannotated_writes
 
 BATCH = 256
 """Commands kept before a batch is sent on its own."""
@@ -345,7 +345,8 @@ def _run(mesh, func, args: tuple, kwargs: dict) -> Any:
     stream = get_active_stream()
     mutated = _mutated_args(func, args, kwargs)
     tensors: list[torch.Tensor] = []
-    key_parts: list = [func]
+    default_dtype = torch.get_default_dtype()
+    key_parts: list = [func, default_dtype]  # factories' results follow it
     wire_args = _walk(args, tensors, key_parts)
     wire_kwargs = _walk(kwargs, tensors, key_parts)
     for x in tensors:
@@ -365,6 +366,11 @@ def _run(mesh, func, args: tuple, kwargs: dict) -> Any:
     except TypeError:  # an argument that cannot be hashed: no caching for this op
         key, spec = None, None
     known = known_values.all_known(tensors, Tensor) and known_values.deterministic(func)
+    if func in _SHARES_MEMORY:  # `a.set_(b)`: a becomes b's memory, which its schema does not say
+        known = False
+        for x in tensors:
+            if isinstance(x, Tensor):
+                known_values.forget(x)
     if spec is None:
         try:
             spec = _fake_run(engine, func, args, kwargs)
@@ -390,12 +396,26 @@ def _run(mesh, func, args: tuple, kwargs: dict) -> Any:
         for x in tensors:
             if id(x) in mutated and isinstance(x, Tensor):
                 known_values.forget(x)
+    if default_dtype is not torch.float32 and isinstance(spec, _Meta) and _takes_dtype(func):
+        if wire_kwargs.get("dtype") is None:  # torch.set_default_dtype() changed only the controller
+            wire_kwargs = dict(wire_kwargs, dtype=spec[2])
     out = _build(spec, engine, mesh, stream)
     aliases = _note_aliases(func, args, kwargs, out)
+    if func in _SHARES_MEMORY and len(args) > 1 and isinstance(args[0], Tensor) and isinstance(args[1], Tensor):
+        args[0]._root = args[1]._root if args[1]._root is not None else args[1]
     if computed:
         known_values.attach(out, values, Tensor, aliases, mutated)
     engine.push(mesh._shape.ranks, ("op", func.name(), wire_args, wire_kwargs, _ids_like(out), _where()), stream)
     return out
+
+
+_SHARES_MEMORY = {torch.ops.aten.set_.source_Tensor, torch.ops.aten.set_.source_Tensor_storage_offset}
+
+
+@functools.cache
+def _takes_dtype(func) -> bool:
+    schema = getattr(func, "_schema", None)
+    return schema is not None and any(a.name == "dtype" and a.kwarg_only for a in schema.arguments)
 
 
 def _name_view(view, other) -> str:
@@ -482,7 +502,7 @@ def _build(spec: Any, engine: Engine, mesh, stream: Stream) -> Any:
 
 def _mutated_args(func, args: tuple, kwargs: dict) -> set[int]:
     """ids of the arguments `func` writes to (in-place ops and out= forms)."""
-    out = set()
+    out = {id(args[i]) for i in unannotated_writes(func.name(), args)} if hasattr(func, "name") else set()
     schema = getattr(func, "_schema", None)
     if schema is None or not schema.is_mutable:
         return out
@@ -517,6 +537,8 @@ def _note_aliases(func, args: tuple, kwargs: dict, out: Any) -> dict[int, Any]:
                         plan.append((r, i, a.name))
                     elif ret.alias_info is not None and not sets and isinstance(ret.type, torch.ListType):
                         plan.append((r, i, a.name))  # `Tensor(a)[]` (split, unbind): its sets are not exposed
+        if func is torch.ops.aten._unsafe_view.default:  # a view whose schema says it is not
+            plan = [(0, 0, "self")]
         _alias_plans[func] = plan
     for r, i, name in plan:
         src = args[i] if i < len(args) else kwargs.get(name)

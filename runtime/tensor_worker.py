@@ -309,6 +309,21 @@ def _run_op(name: str, args: tuple, kwargs: dict, out: Any, where: str) -> None:
     _store(out, value)
 
 
+_UNANNOTATED_WRITES = {
+    f"aten::{op}": ((3, 4), 5) for op in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm")
+}
+"""Ops that write arguments their schema does not mark: (positions, the `training` flag's position)."""
+
+
+def unannotated_writes(name: str, args: tuple) -> tuple[int, ...]:
+    """Positions of arguments op `name` writes without saying so (batch norm's running stats)."""
+    spec = _UNANNOTATED_WRITES.get(name)
+    if spec is None:
+        return ()
+    positions, training = spec
+    return positions if len(args) > training and args[training] else ()
+
+
 def _fail(name: str, args: tuple, kwargs: dict, out: Any, poison: Poison) -> None:
     """Poison an op's results, and the tensors it would have written (in-place ops, out=): they no
     longer hold what the program says they hold."""
@@ -317,14 +332,14 @@ def _fail(name: str, args: tuple, kwargs: dict, out: Any, poison: Poison) -> Non
         schema = _op(name)._schema
     except Exception:  # the op itself is unknown here: it wrote nothing
         return
-    if not schema.is_mutable:
-        return
-    for i, arg in enumerate(schema.arguments):
+    written = [args[i] for i in unannotated_writes(name, args)]
+    for i, arg in enumerate(schema.arguments if schema.is_mutable else ()):
         if arg.alias_info is not None and arg.alias_info.is_write:
-            v = args[i] if i < len(args) else kwargs.get(arg.name)
-            for ref in v if isinstance(v, list | tuple) else (v,):
-                if isinstance(ref, Ref):
-                    _table[ref.id] = poison
+            written.append(args[i] if i < len(args) else kwargs.get(arg.name))
+    for v in written:
+        for ref in v if isinstance(v, list | tuple) else (v,):
+            if isinstance(ref, Ref):
+                _table[ref.id] = poison
 
 
 _REDUCE_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}

@@ -852,7 +852,15 @@ def test_a_known_value_is_forgotten_when_any_alias_of_its_tensor_is_written(mesh
         w = torch.ones(())
         same = w.mul_(2)  # in place, with known inputs: both names are one tensor, still known
         w.mul_(3)
-    assert [answer(t) for t in cases] == [None, None, None]
+        big = torch.zeros(())
+        src = torch.ones(())
+        big.set_(src)  # big is now src's memory (its schema does not say so)
+        big.add_(1)
+        cases.append(src)
+        bn = nn.BatchNorm1d(1)
+        bn(torch.rand(4, 1))  # writes its running stats, which its schema does not say either
+        cases.append(bn.running_mean)
+    assert [answer(t) for t in cases] == [None] * 5
     assert answer(same) == answer(w) == 6.0
     for t in cases + [same]:
         assert answer(t) in (None, monarch.inspect(t).item())
@@ -903,6 +911,19 @@ def test_a_live_call_is_not_held_back_by_a_collective_queued_on_a_stream():
     finally:
         pair.exit()
     assert wait_gone(pids) == []
+
+
+def test_the_default_dtype_set_on_the_controller_holds_on_the_workers(mesh):
+    torch.set_default_dtype(torch.float64)
+    try:
+        with mesh.activate():
+            x = torch.zeros(3) + 0.1
+            r = torch.arange(3.0) / 3
+        assert x.dtype == torch.float64
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert monarch.inspect(x).dtype == torch.float64 and monarch.inspect(x).tolist() == [0.1] * 3
+    assert torch.equal(monarch.inspect(r), torch.arange(3.0, dtype=torch.float64) / 3)
 
 
 def test_an_op_whose_argument_cannot_be_sent_fails_alone(mesh):
