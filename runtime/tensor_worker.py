@@ -298,6 +298,8 @@ def _run_op(name: str, args: tuple, kwargs: dict, out: Any, where: str) -> None:
     a = _resolve(args, poisons)
     k = _resolve(kwargs, poisons)
     if poisons:
+        if name.startswith("aten::_foreach_") and _foreach_where_fine(name, args, kwargs, a, k, out, where):
+            return
         _fail(name, args, kwargs, out, poisons[0])
         return
     try:
@@ -307,6 +309,51 @@ def _run_op(name: str, args: tuple, kwargs: dict, out: Any, where: str) -> None:
         _fail(name, args, kwargs, out, Poison(type(e).__qualname__, str(e), tb, where))
         return
     _store(out, value)
+
+
+def _foreach_where_fine(name: str, args: tuple, kwargs: dict, a: tuple, k: dict, out: Any, where: str) -> bool:
+    """A foreach op with failed inputs: run it on the positions whose inputs are fine and poison the others
+    (as the op per tensor would), instead of every position. False if the lists cannot be matched up."""
+    n = next((len(v) for v in a if isinstance(v, list | tuple)), 0)
+    if not n:
+        return False
+
+    def per_position(v):
+        return isinstance(v, list | tuple) and len(v) == n
+
+    bad: dict[int, Poison] = {}
+    for v in (*a, *k.values()):
+        if per_position(v):
+            for i, e in enumerate(v):
+                if i not in bad and (isinstance(e, Poison) or (e is None and isinstance(v, list))):
+                    bad[i] = e if isinstance(e, Poison) else Poison("KeyError", "an input was freed", "", where)
+    good = [i for i in range(n) if i not in bad]
+    pick = lambda v: type(v)(v[i] for i in good) if per_position(v) else v  # noqa: E731
+    try:
+        value = _op(name)(*map(pick, a), **{key: pick(v) for key, v in k.items()}) if good else None
+    except Exception as e:
+        _fail(name, args, kwargs, out, Poison(type(e).__qualname__, str(e), traceback.format_exc(), where))
+        return True
+    if isinstance(out, list) and len(out) == n:  # out of place: one result per position
+        results = iter(value or ())
+        for i in range(n):
+            _store(out[i], bad[i] if i in bad else next(results))
+    written = _written(name, args, kwargs)
+    for i, poison in bad.items():  # in place: the tensors at failed positions no longer hold their values
+        for v in written:
+            if per_position(v) and isinstance(v[i], Ref):
+                _table[v[i].id] = poison
+    return True
+
+
+def _written(name: str, args: tuple, kwargs: dict) -> list:
+    """The arguments (Refs, or lists of them) op `name` writes: marked in its schema, or known to us."""
+    schema = _op(name)._schema
+    written = [args[i] for i in unannotated_writes(name, args)]
+    for i, arg in enumerate(schema.arguments if schema.is_mutable else ()):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            written.append(args[i] if i < len(args) else kwargs.get(arg.name))
+    return written
 
 
 _UNANNOTATED_WRITES = {
@@ -329,13 +376,9 @@ def _fail(name: str, args: tuple, kwargs: dict, out: Any, poison: Poison) -> Non
     longer hold what the program says they hold."""
     _store(out, poison)
     try:
-        schema = _op(name)._schema
+        written = _written(name, args, kwargs)
     except Exception:  # the op itself is unknown here: it wrote nothing
         return
-    written = [args[i] for i in unannotated_writes(name, args)]
-    for i, arg in enumerate(schema.arguments if schema.is_mutable else ()):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            written.append(args[i] if i < len(args) else kwargs.get(arg.name))
     for v in written:
         for ref in v if isinstance(v, list | tuple) else (v,):
             if isinstance(ref, Ref):

@@ -875,6 +875,14 @@ def test_an_in_place_op_with_a_failed_input_poisons_the_tensor_it_writes(mesh):
     with pytest.raises(monarch.RemoteError, match="index out of range"):
         monarch.inspect(t)
     assert monarch.inspect(fine).tolist() == [2.0]
+    with mesh.activate():  # a foreach op (a foreach optimizer's step) poisons only the positions that failed
+        g1, g2 = torch.ones(1), torch.ones(1)
+        torch._foreach_add_([g1, g2], [torch.ones(1), bad])
+        sums = torch._foreach_add([g1, g2], 1)
+    assert monarch.inspect(g1).tolist() == [2.0] and monarch.inspect(sums[0]).tolist() == [3.0]
+    for poisoned in (g2, sums[1]):
+        with pytest.raises(monarch.RemoteError, match="index out of range"):
+            monarch.inspect(poisoned)
 
 
 def test_a_live_call_is_not_held_back_by_a_collective_queued_on_a_stream():
