@@ -14,8 +14,6 @@ import math
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_map
 
 MAX_ELEMENTS = 1
 """Largest result (elements) whose value the controller computes too: one element is what `.item()`
@@ -81,13 +79,21 @@ def compute(func, args: tuple, kwargs: dict, handle_type: type) -> Any:
             return x._value.value
         if isinstance(x, torch.Tensor):
             return x.detach().clone()
+        if type(x) in (list, tuple):
+            return type(x)(value(e) for e in x)
         return x
 
-    with _disable_current_modes():
-        a, k = tree_map(value, (args, kwargs))
-        if k.get("device") is not None:
-            k = dict(k, device="cpu")
+    a = [value(x) for x in args]
+    k = {name: value(v) for name, v in kwargs.items()}
+    if k.get("device") is not None:
+        k["device"] = "cpu"
+    with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):  # plain tensors, straight to the kernels
         return func(*a, **k)
+
+
+_PYTHON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.PythonTLSSnapshot
+)
 
 
 def attach(out: Any, values: Any, handle_type: type, aliases: dict[int, Any], mutated: set[int]) -> None:
