@@ -219,6 +219,26 @@ class Tensor(torch.Tensor):
         mesh = _mesh_of(args, kwargs)
         return _run(mesh, func, args, kwargs or {})
 
+    @property
+    def data(self) -> torch.Tensor:
+        return _DATA.__get__(self)
+
+    @data.setter
+    def data(self, value: Any) -> None:
+        """`t.data = other` (nn.Module.to and the like): `t` becomes `other`'s tensor on the workers too."""
+        if value is self:
+            return
+        if not isinstance(value, Tensor) or value._mesh._spawned is not self._mesh._spawned:
+            raise _reject(
+                f"t.data = ...: needs a monarch.Tensor of the same mesh, got {type(value).__name__}; "
+                "to change the values, use `with torch.no_grad(): t.copy_(other)`"
+            )
+        _check_stream("t.data = ...", self, get_active_stream(), mutating=True)
+        _DATA.__set__(self, value)  # the controller's metadata
+        self._meta, self._fake = value._meta, None
+        self._root, self._value = (value._root if value._root is not None else value), value._value
+        _engine(self._mesh._spawned).push(self._mesh._shape.ranks, ("alias", self._ref, value._ref))
+
     def reduce(self, dims: str | tuple[str, ...], reduction: str = "sum", scatter: bool = False) -> Tensor:
         """A collective over mesh dimension(s) `dims` of this tensor's mesh: the result on every worker.
 
@@ -245,6 +265,7 @@ class Tensor(torch.Tensor):
         return to_mesh(self, dst)
 
 
+_DATA = torch.Tensor.data  # the C descriptor behind `t.data`
 _rejected = threading.local()
 _BINARY = [
     f"__{p}{n}__"

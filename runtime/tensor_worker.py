@@ -283,6 +283,8 @@ def _run_one(cmd: tuple) -> None:
         _send_to(*cmd[1:])
     elif kind == "recv_from":
         _recv_from(*cmd[1:])
+    elif kind == "alias":  # `t.data = other`: t's id now names other's tensor
+        _table[cmd[1]] = _table.get(cmd[2])
     elif kind == "del":
         for i in cmd[1]:
             _table.pop(i, None)

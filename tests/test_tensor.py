@@ -934,6 +934,17 @@ def test_the_default_dtype_set_on_the_controller_holds_on_the_workers(mesh):
     assert torch.equal(monarch.inspect(r), torch.arange(3.0, dtype=torch.float64) / 3)
 
 
+def test_assigning_data_rebinds_the_tensor_on_the_workers_too(mesh):
+    local = torch.ones(3)
+    with mesh.activate():
+        x = torch.zeros(2)
+        x.data = torch.ones(3) * 4
+        y = x + 1
+        with pytest.raises(TypeError, match="needs a monarch.Tensor of the same mesh"):
+            x.data = local
+    assert tuple(x.shape) == (3,) and monarch.inspect(y).tolist() == [5.0, 5.0, 5.0]
+
+
 def test_an_op_whose_argument_cannot_be_sent_fails_alone(mesh):
     """A command that cannot be pickled poisons its own result; the rest of its batch still runs."""
     import threading
