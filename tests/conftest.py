@@ -27,16 +27,27 @@ def worker_pids(mesh) -> list[int]:
     return [row["pid"] for row in mesh.to_table().rows]
 
 
-@pytest.fixture(scope="session")
-def mesh8():
-    """A {"host": 2, "gpu": 4} mesh shared by tests that do not break it."""
+def _spawned(sizes: dict[str, int]):
+    """A mesh for a fixture; afterwards, none of its workers is left."""
     from monarch.actor import this_host
 
-    mesh = this_host().spawn_procs({"host": 2, "gpu": 4})
+    mesh = this_host().spawn_procs(sizes)
     pids = worker_pids(mesh)
     yield mesh
     mesh.exit()
     assert wait_gone(pids) == []
+
+
+@pytest.fixture(scope="session")
+def mesh8():
+    """A {"host": 2, "gpu": 4} mesh shared by tests that do not break it."""
+    yield from _spawned({"host": 2, "gpu": 4})
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """A {"host": 2, "gpu": 2} mesh per test module (the tensor engine's tests break nothing in it)."""
+    yield from _spawned({"host": 2, "gpu": 2})
 
 
 @pytest.fixture(autouse=True)

@@ -13,15 +13,6 @@ from monarch.runtime import context
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    from monarch.actor import this_host
-
-    m = this_host().spawn_procs({"host": 2, "gpu": 2})
-    yield m
-    m.exit()
-
-
 def _explode():
     if context.worker is not None:
         raise ImportError("no such module on the workers")

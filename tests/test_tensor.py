@@ -19,15 +19,6 @@ from conftest import wait_gone, worker_pids
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    from monarch.actor import this_host
-
-    m = this_host().spawn_procs({"host": 2, "gpu": 2})
-    yield m
-    m.exit()
-
-
 def _all(t, mesh):
     """Every rank's value, in rank order."""
     return [monarch.inspect(t, **c) for c, _ in mesh._shape.points()]
