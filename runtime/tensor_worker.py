@@ -330,7 +330,10 @@ def _foreach_where_fine(name: str, args: tuple, kwargs: dict, a: tuple, k: dict,
                 if i not in bad and (isinstance(e, Poison) or (e is None and isinstance(v, list))):
                     bad[i] = e if isinstance(e, Poison) else Poison("KeyError", "an input was freed", "", where)
     good = [i for i in range(n) if i not in bad]
-    pick = lambda v: type(v)(v[i] for i in good) if per_position(v) else v  # noqa: E731
+
+    def pick(v):
+        return type(v)(v[i] for i in good) if per_position(v) else v
+
     try:
         value = _op(name)(*map(pick, a), **{key: pick(v) for key, v in k.items()}) if good else None
     except Exception as e:
