@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_map
 from monarch.runtime import tensor_known as known_values
 from monarch.runtime import wire
 from monarch.runtime.streams import MAIN, Borrow, Stream, get_active_stream
-from monarch.runtime.tensor_worker import Ref, unannotated_writes
+from monarch.runtime.tensor_worker import Ref, written_args
 
 BATCH = 256
 """Commands kept before a batch is sent on its own."""
@@ -372,12 +372,7 @@ def _run(mesh, func, args: tuple, kwargs: dict) -> Any:
     wire_kwargs = _walk(kwargs, tensors, key_parts)
     for x in tensors:
         if isinstance(x, Tensor):
-            if x._mesh is not mesh and (x._mesh._spawned is not spawned or x._mesh._shape.ranks != mesh._shape.ranks):
-                raise _reject(
-                    f"{func}: a tensor on mesh {_name_view(x._mesh, mesh)} used inside {_name_view(mesh, x._mesh)}"
-                    ".activate(); a tensor is used only on the mesh that made it (move it there with "
-                    "t.to_mesh(that_mesh))"
-                )
+            _check_same_mesh(func, x, mesh)
             root = x._root if x._root is not None else x
             if x._stream is not stream or root._lent or root._borrow is not None:
                 _check_stream(func, x, stream, mutating=id(x) in mutated)
@@ -437,6 +432,15 @@ _SHARES_MEMORY = {torch.ops.aten.set_.source_Tensor, torch.ops.aten.set_.source_
 def _takes_dtype(func) -> bool:
     schema = getattr(func, "_schema", None)
     return schema is not None and any(a.name == "dtype" and a.kwarg_only for a in schema.arguments)
+
+
+def _check_same_mesh(what: Any, t: Tensor, mesh) -> None:
+    """`t` used inside `mesh.activate()`: it must be on that mesh (the same workers of one spawned mesh)."""
+    if t._mesh is not mesh and (t._mesh._spawned is not mesh._spawned or t._mesh._shape.ranks != mesh._shape.ranks):
+        raise _reject(
+            f"{what}: a tensor on mesh {_name_view(t._mesh, mesh)} used inside {_name_view(mesh, t._mesh)}"
+            ".activate(); a tensor is used only on the mesh that made it (move it there with t.to_mesh(that_mesh))"
+        )
 
 
 def _name_view(view, other) -> str:
@@ -522,18 +526,15 @@ def _build(spec: Any, engine: Engine, mesh, stream: Stream) -> Any:
 
 
 def _mutated_args(func, args: tuple, kwargs: dict) -> set[int]:
-    """ids of the arguments `func` writes to (in-place ops and out= forms)."""
-    out = {id(args[i]) for i in unannotated_writes(func.name(), args)} if hasattr(func, "name") else set()
-    schema = getattr(func, "_schema", None)
-    if schema is None or not schema.is_mutable:
-        return out
-    for i, a in enumerate(schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            v = args[i] if i < len(args) else kwargs.get(a.name)
-            if isinstance(v, list | tuple):  # the foreach ops write every tensor of a list
-                out.update(id(e) for e in v)
-            else:
-                out.add(id(v))
+    """ids of the arguments `func` writes to (in-place ops, out= forms, foreach lists)."""
+    if getattr(func, "_schema", None) is None:
+        return set()
+    out: set[int] = set()
+    for v in written_args(func, args, kwargs):
+        if isinstance(v, list | tuple):
+            out.update(id(e) for e in v)
+        else:
+            out.add(id(v))
     return out
 
 

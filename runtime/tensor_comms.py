@@ -14,12 +14,11 @@ from monarch.runtime.tensor import (
     Tensor,
     _capturing,
     _check_alive,
+    _check_same_mesh,
     _check_stream,
     _engine,
     _issuer,
-    _name_view,
     _new,
-    _reject,
     _where,
 )
 
@@ -33,7 +32,9 @@ def reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool = False
         raise TypeError(f"reduce: needs a monarch.Tensor (made inside mesh.activate()), got {type(t).__name__}")
     _check_stream("reduce", t, get_active_stream(), mutating=inplace)
     mesh = t._mesh
-    _check_active_mesh("reduce", t)
+    active = _capturing.get()  # inside another mesh's activate(), a collective is the same mistake as `t + 1`
+    if active is not None:
+        _check_same_mesh("reduce", t, active)
     if mesh._spawned.state != "running":
         _check_alive("reduce", mesh._spawned)
     dims_t = (dims,) if isinstance(dims, str) else tuple(dims)
@@ -69,19 +70,6 @@ def reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool = False
     cmd = ("reduce", t._ref, out._ref, group.gid, size, reduction, scatter, shape, t.dtype, t.device.type, _where())
     engine.push(mesh._shape.ranks, cmd)
     return out
-
-
-def _check_active_mesh(what: str, t: Tensor) -> None:
-    """Inside another mesh's activate(), a collective on `t` is the same mistake as `t + 1` there."""
-    active = _capturing.get()
-    if active is not None and active is not t._mesh:
-        same = active._spawned is t._mesh._spawned and active._shape.ranks == t._mesh._shape.ranks
-        if not same:
-            raise _reject(
-                f"{what}: a tensor on mesh {_name_view(t._mesh, active)} used inside {_name_view(active, t._mesh)}"
-                ".activate(); a tensor is used only on the mesh that made it (move it there with "
-                "t.to_mesh(that_mesh))"
-            )
 
 
 def to_mesh(t: Tensor, dst) -> Tensor:

@@ -39,6 +39,11 @@ class Poison:
     failed_on: str | None = None
     """Where it failed when not on this worker: e.g. "rank 3 (its input to the collective issued at ...)"."""
 
+    @classmethod
+    def of(cls, e: BaseException, where: str, tb: str | None = None) -> Poison:
+        """The poison for exception `e`, being handled now (its traceback, unless `tb` is given)."""
+        return cls(type(e).__qualname__, str(e), traceback.format_exc() if tb is None else tb, where)
+
 
 class Ref:
     """A reference to a tensor in the worker's table (pickles as its id)."""
@@ -308,7 +313,7 @@ def _run_op(name: str, args: tuple, kwargs: dict, out: Any, where: str) -> None:
         value = _op(name)(*a, **k)
     except Exception as e:
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None))
-        _fail(name, args, kwargs, out, Poison(type(e).__qualname__, str(e), tb, where))
+        _fail(name, args, kwargs, out, Poison.of(e, where, tb))
         return
     _store(out, value)
 
@@ -337,28 +342,18 @@ def _foreach_where_fine(name: str, args: tuple, kwargs: dict, a: tuple, k: dict,
     try:
         value = _op(name)(*map(pick, a), **{key: pick(v) for key, v in k.items()}) if good else None
     except Exception as e:
-        _fail(name, args, kwargs, out, Poison(type(e).__qualname__, str(e), traceback.format_exc(), where))
+        _fail(name, args, kwargs, out, Poison.of(e, where))
         return True
     if isinstance(out, list) and len(out) == n:  # out of place: one result per position
         results = iter(value or ())
         for i in range(n):
             _store(out[i], bad[i] if i in bad else next(results))
-    written = _written(name, args, kwargs)
+    written = written_args(_op(name), args, kwargs)
     for i, poison in bad.items():  # in place: the tensors at failed positions no longer hold their values
         for v in written:
             if per_position(v) and isinstance(v[i], Ref):
                 _table[v[i].id] = poison
     return True
-
-
-def _written(name: str, args: tuple, kwargs: dict) -> list:
-    """The arguments (Refs, or lists of them) op `name` writes: marked in its schema, or known to us."""
-    schema = _op(name)._schema
-    written = [args[i] for i in unannotated_writes(name, args)]
-    for i, arg in enumerate(schema.arguments if schema.is_mutable else ()):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            written.append(args[i] if i < len(args) else kwargs.get(arg.name))
-    return written
 
 
 _UNANNOTATED_WRITES = {
@@ -367,13 +362,18 @@ _UNANNOTATED_WRITES = {
 """Ops that write arguments their schema does not mark: (positions, the `training` flag's position)."""
 
 
-def unannotated_writes(name: str, args: tuple) -> tuple[int, ...]:
-    """Positions of arguments op `name` writes without saying so (batch norm's running stats)."""
-    spec = _UNANNOTATED_WRITES.get(name)
-    if spec is None:
-        return ()
-    positions, training = spec
-    return positions if len(args) > training and args[training] else ()
+def written_args(op: Any, args: tuple, kwargs: dict) -> list:
+    """The arguments op `op` writes (handles or Refs, or lists of them for foreach ops): those its schema
+    marks, and those it writes without saying so (batch norm's running stats, when training)."""
+    written = []
+    spec = _UNANNOTATED_WRITES.get(op.name())
+    if spec is not None and len(args) > spec[1] and args[spec[1]]:
+        written += [args[i] for i in spec[0]]
+    schema = op._schema
+    for i, arg in enumerate(schema.arguments if schema.is_mutable else ()):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            written.append(args[i] if i < len(args) else kwargs.get(arg.name))
+    return written
 
 
 def _fail(name: str, args: tuple, kwargs: dict, out: Any, poison: Poison) -> None:
@@ -381,7 +381,7 @@ def _fail(name: str, args: tuple, kwargs: dict, out: Any, poison: Poison) -> Non
     longer hold what the program says they hold."""
     _store(out, poison)
     try:
-        written = _written(name, args, kwargs)
+        written = written_args(_op(name), args, kwargs)
     except Exception:  # the op itself is unknown here: it wrote nothing
         return
     for v in written:
@@ -430,7 +430,7 @@ def _reduce(
             mine = v if isinstance(v, Poison) else Poison("KeyError", f"tensor {src} is not on this worker", "", where)
             shared = _share_poison(group, device, mine if culprit == me else None, where)
     except Exception as e:
-        _table[out] = Poison(type(e).__qualname__, str(e), traceback.format_exc(), where)
+        _table[out] = Poison.of(e, where)
         return
     if culprit >= 0:
         _table[out] = mine if bad else shared
@@ -492,7 +492,7 @@ def _to_mesh(src: int, out: int, pairs: list, shape: tuple, dtype, dev_type: str
         error, tb = e, traceback.format_exc()
     if receiving:
         if error is not None:
-            _table[out] = Poison(type(error).__qualname__, str(error), tb, where)
+            _table[out] = Poison.of(error, where, tb)
         else:
             flag, data = incoming
             _table[out] = data if not flag.item() else Poison("RuntimeError", "the source value failed", "", where)
@@ -553,7 +553,7 @@ def _recv_from(out: int, links: list, shape: tuple, dtype, dev_type: str, where:
             pg.recv([data], 0, 1).wait()
             value = data.to(_on_device(dev_type))
         except Exception as e:
-            _table[out] = Poison(type(e).__qualname__, str(e), traceback.format_exc(), where)
+            _table[out] = Poison.of(e, where)
             continue
         if flag.item():
             _table[out] = Poison("RuntimeError", "the source value (on the other mesh) failed", "", where)
