@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any
 
-from monarch.runtime.controller import OutputEvent, _LineLabeller
+from monarch.runtime.controller import LineLabeller, OutputEvent
 from monarch.runtime.remote import Future, ValueMesh
 
 STARTUP_GRACE = 0.3
@@ -90,7 +90,7 @@ class ArrivalLines:
     """Output in arrival order, each line labelled with its rank (also the terminal's form)."""
 
     def __init__(self) -> None:
-        self._lines = _LineLabeller()
+        self._lines = LineLabeller()
 
     def __call__(self, ev: OutputEvent) -> None:
         if ev.stream == "display" and ev.data:
@@ -130,4 +130,4 @@ class CellRun:
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "running"
-        return f"<%%mesh run on {self.mesh._shape.describe()}: {state}>"
+        return f"<%%mesh run on {self.mesh.describe()}: {state}>"

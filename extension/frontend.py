@@ -60,7 +60,7 @@ class NotebookStdin:
 
         from monarch.widgets.debugger import DebuggerView
 
-        waiting = [r.label for r in list(self.controller.stdin_queue) if r is not req]
+        waiting = [r.label for r in self.controller.stdin.waiting() if r is not req]
         if self.view is None:
             self.view = DebuggerView(active=req.label, paused=waiting, where=req.prompt)
             display(self.view)

@@ -59,14 +59,12 @@ class MeshMagics(Magics):
         else:
             output = ArrivalLines()
         from monarch.runtime import cells
-        from monarch.runtime.remote import RemoteFunction
 
         filename = f"<mesh cell {self.shell.execution_count}>"
-        fn = RemoteFunction(cells.run_cell, view)
         no_stdin = None if blocking else "the cell runs with --noblock, so nothing waits to answer"
         if not blocking and isinstance(output, RankAreas):
             output.show_now()  # in this cell, before it returns
-        future = fn._start((cell, filename), {}, no_stdin=no_stdin, output=output, name="%%mesh cell")
+        future = cells.run_cell(view, cell, filename, output=output, no_stdin=no_stdin)
         run = CellRun(future, output, view, blocking)
         if opts["save"]:
             self.shell.user_ns[opts["save"]] = run
@@ -96,7 +94,7 @@ class MeshMagics(Magics):
                 )
         elif opts["sizes"]:
             view = self._implicit(opts["sizes"])
-        elif self.implicit is not None and self.implicit._spawned.state == "running":
+        elif self.implicit is not None and self.implicit.state == "running":
             view = self.implicit
         else:
             raise UsageError("%%mesh needs a shape (e.g. %%mesh gpu=4) or a mesh variable\n" + _USAGE)
@@ -111,9 +109,9 @@ class MeshMagics(Magics):
         from monarch.actor import this_host
 
         old = self.implicit
-        if old is not None and old._spawned.state == "running" and old.sizes == sizes:
+        if old is not None and old.state == "running" and old.sizes == sizes:
             return old
-        if old is not None and old._spawned.state == "running":
+        if old is not None and old.state == "running":
             print(
                 f"monarch: stopping mesh {_describe(old.sizes)} to start {_describe(sizes)} (its namespaces are lost)"
             )
@@ -147,11 +145,11 @@ class MeshMagics(Magics):
         cmd, rest = (args[0], args[1:]) if args else ("status", [])
         view = target or self.current or self.implicit
         if cmd == "shutdown" and rest == ["--all"]:
-            from monarch.runtime.controller import _controller
+            from monarch.runtime.controller import current
 
-            if _controller is not None:
-                for spawned in list(_controller.meshes.values()):
-                    _controller.stop(spawned)
+            controller = current()
+            if controller is not None:
+                controller.stop_all()
             self.implicit = self.current = None
             return None
         if cmd not in ("status", "shutdown", "restart", "pull", "push"):
@@ -162,31 +160,30 @@ class MeshMagics(Magics):
             return view.to_table()
         if cmd == "shutdown":
             view.exit()
-            if self.implicit is not None and self.implicit._spawned is view._spawned:
+            if self.implicit is not None and self.implicit.shares_workers_with(view):
                 self.implicit = None
             self.current = None
             return None
         if cmd == "restart":
             fresh = view.respawn()
-            if self.implicit is not None and self.implicit._spawned is view._spawned:
+            if self.implicit is not None and self.implicit.shares_workers_with(view):
                 self.implicit = fresh
             self.current = fresh
             return fresh.to_table()
         if not rest:
             raise UsageError(f"%mesh {cmd} needs at least one variable name\n" + _LINE_USAGE)
         from monarch.runtime import cells
-        from monarch.runtime.remote import RemoteFunction
 
         if cmd == "pull":
             out = None
             for name in rest:
-                out = RemoteFunction(cells.pull, view)(name)
+                out = cells.pull(view, name)
                 self.shell.user_ns[name] = out
             return out if len(rest) == 1 else None
         missing = [n for n in rest if n not in self.shell.user_ns]
         if missing:
             raise UsageError(f"%mesh push: {', '.join(missing)} not defined in this notebook")
-        RemoteFunction(cells.push, view)({n: self.shell.user_ns[n] for n in rest})
+        cells.push(view, {n: self.shell.user_ns[n] for n in rest})
         return None
 
 
@@ -271,11 +268,11 @@ def load(ip) -> None:
 
     def setup(controller) -> None:
         magics.stdin = NotebookStdin(controller, magics.widgets)
-        controller.stdin = magics.stdin
+        controller.stdin.prompt = magics.stdin
 
     ctl.on_create.append(setup)
-    if ctl._controller is not None:
-        setup(ctl._controller)
+    if ctl.current() is not None:
+        setup(ctl.current())
 
 
 def unload(ip) -> None:

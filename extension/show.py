@@ -7,7 +7,7 @@ from typing import Any
 
 def show(t: Any, **coords: int) -> None:
     """Display `t`'s value on the worker at `coords` (default: the first)."""
-    from monarch.runtime.tensor_values import inspect
+    from monarch.runtime.tensor.values import inspect
 
     value = inspect(t, **coords)
     try:

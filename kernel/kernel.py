@@ -33,9 +33,10 @@ class MonarchKernel(IPythonKernel):
             history.db_cache_size = HISTORY_BATCH
 
     async def do_shutdown(self, restart: bool):
-        from monarch.runtime import controller
+        from monarch.runtime.controller import current
 
-        if controller._controller is not None:
-            controller._controller.shutdown()
+        controller = current()
+        if controller is not None:
+            controller.shutdown()
         reply = super().do_shutdown(restart)
         return await reply if inspect.isawaitable(reply) else reply

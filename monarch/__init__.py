@@ -36,12 +36,12 @@ _EXPORTS = {
     "ProcMesh": "monarch.runtime.mesh",
     "current_rank": "monarch.runtime.context",
     "current_size": "monarch.runtime.context",
-    "Tensor": "monarch.runtime.tensor",
-    "inspect": "monarch.runtime.tensor_values",
-    "fetch_shard": "monarch.runtime.tensor_values",
-    "grad_generator": "monarch.runtime.tensor_comms",
-    "Stream": "monarch.runtime.streams",
-    "get_active_stream": "monarch.runtime.streams",
+    "Tensor": "monarch.runtime.tensor.handles",
+    "inspect": "monarch.runtime.tensor.values",
+    "fetch_shard": "monarch.runtime.tensor.values",
+    "grad_generator": "monarch.runtime.tensor.comms",
+    "Stream": "monarch.runtime.tensor.streams",
+    "get_active_stream": "monarch.runtime.tensor.streams",
     "show": "monarch.extension.show",
 }
 

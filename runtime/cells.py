@@ -1,195 +1,38 @@
-"""`%%mesh` cells on workers: each worker runs a cell's source in its own persistent namespace.
-
-Runs on the worker (called by reference as a live function). The namespace outlives cells, like
-a notebook's; `rank`, `coords`, `device` and `mesh_size` are set before each cell. `display()`
-and matplotlib figures made in a cell travel to the controller as rich displays.
-"""
+"""`%%mesh` cells, the controller's half: run a cell's source on every worker of a view, and move names
+between the notebook and the workers' namespaces. The workers' half is `worker/cells.py` (named here,
+not imported: controller code never imports worker code)."""
 
 from __future__ import annotations
 
-import ast
-import base64
-import bdb
-import builtins
-import io
-import linecache
-import math
-import os
-import sys
-import tokenize
+from collections.abc import Callable
 from typing import Any
 
-from monarch.runtime import context
+from monarch.runtime.controller import OutputEvent
+from monarch.runtime.mesh import ProcMesh
+from monarch.runtime.remote import Future, RemoteFunction, ValueMesh
 
-_namespace: dict[str, Any] | None = None
-_compiled: dict[tuple[str, str], tuple[Any, Any]] = {}
-_formatter: Any = None
-_SIMPLE = (type(None), bool, int, float, complex, str, bytes)
-
-
-class Unpicklable:
-    """Stands in for a cell's value that could not be sent back; shows the worker's repr."""
-
-    def __init__(self, type_name: str, text: str):
-        self.type_name, self.text = type_name, text
-
-    def __repr__(self) -> str:
-        return self.text
+_WORKER = "monarch.runtime.worker.cells"
 
 
-def namespace() -> dict[str, Any]:
-    """This worker's cell namespace (created on first use)."""
-    global _namespace
-    if _namespace is None:
-        _namespace = {"__name__": "__main__", "__builtins__": builtins, "display": display}
-        if "matplotlib" not in sys.modules:
-            os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-        _route_ipython_display()
-    return _namespace
+def run_cell(
+    view: ProcMesh,
+    source: str,
+    filename: str,
+    *,
+    output: Callable[[OutputEvent], None] | None = None,
+    no_stdin: str | None = None,
+) -> Future:
+    """Start `source` on every worker of `view`, each in its persistent namespace; the future's value is
+    the last expression's, per rank. `filename` names the cell in tracebacks and pdb."""
+    fn = RemoteFunction.by_name(_WORKER, "run_cell", view)
+    return fn.start((source, filename), {}, no_stdin=no_stdin, output=output, name="%%mesh cell")
 
 
-def run_cell(source: str, filename: str) -> Any:
-    """Run `source` in this worker's namespace; return the last expression's value (or None)."""
-    ns = namespace()
-    w = context.worker
-    assert w is not None, "run_cell runs on workers"
-    ns.update(rank=w.rank, coords=dict(context.view.coords), device=w.device, mesh_size=math.prod(w.sizes.values()))
-    body, last = _compile(source, filename)
-    value = None
-    try:
-        exec(body, ns)
-        if last is not None:
-            value = eval(last, ns)
-    except bdb.BdbQuit:
-        return None  # `q` at a pdb prompt: the cell ends quietly on this rank
-    finally:
-        _flush_figures()
-    if value is None:
-        return None
-    ns["_"] = value
-    return _sendable(value)
+def pull(view: ProcMesh, name: str) -> ValueMesh:
+    """The value of `name` in each worker's namespace."""
+    return RemoteFunction.by_name(_WORKER, "pull", view)(name)
 
 
-def pull(name: str) -> Any:
-    """The value of `name` in this worker's namespace (for ``%mesh pull``)."""
-    ns = namespace()
-    if name not in ns:
-        raise NameError(f"name {name!r} is not defined in this worker's namespace")
-    return _sendable(ns[name])
-
-
-def push(values: dict[str, Any]) -> None:
-    """Set names in this worker's namespace (for ``%mesh push``)."""
-    namespace().update(values)
-
-
-def reset() -> None:
-    """Forget every name defined by cells."""
-    global _namespace
-    _namespace = None
-
-
-def _compile(source: str, filename: str) -> tuple[Any, Any]:
-    key = (source, filename)
-    found = _compiled.get(key)
-    if found is not None:
-        return found
-    lines = source.splitlines(keepends=True)
-    linecache.cache[filename] = (len(source), None, lines, filename)  # tracebacks and pdb show the cell
-    tree = ast.parse(source, filename)
-    last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr) and not _ends_with_semicolon(source):
-        last = compile(ast.Expression(tree.body.pop().value), filename, "eval")
-    body = compile(tree, filename, "exec")
-    if len(_compiled) > 256:
-        _compiled.clear()
-    _compiled[key] = (body, last)
-    return body, last
-
-
-def _ends_with_semicolon(source: str) -> bool:
-    """True when the last code token is ``;`` (comments aside): IPython's sign to show no value."""
-    last = None
-    try:
-        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-            if tok.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.ENDMARKER, tokenize.DEDENT):
-                last = tok.string
-    except (tokenize.TokenError, SyntaxError):
-        return False
-    return last == ";"
-
-
-def _sendable(value: Any) -> Any:
-    if isinstance(value, _SIMPLE) or type(value).__module__ == "torch":
-        return value
-    import cloudpickle
-
-    try:
-        cloudpickle.dumps(value)
-    except Exception:
-        return Unpicklable(type(value).__name__, repr(value))
-    return value
-
-
-# -- rich displays -----------------------------------------------------------------------------------
-def display(*objs: Any, include=None, exclude=None, metadata: dict | None = None, raw: bool = False, **_: Any) -> None:
-    """`IPython.display.display` on a worker: the mime bundle goes to the controller, labelled by rank."""
-    from monarch.runtime import worker
-
-    if worker.current is None:
-        print(*objs)
-        return
-    for obj in objs:
-        if raw:
-            data, md = dict(obj), {}
-        else:
-            data, md = _format(obj, include, exclude)
-        if not data:
-            continue
-        if metadata:
-            md.update(metadata)
-        for mime, v in data.items():
-            if isinstance(v, bytes):
-                data[mime] = base64.b64encode(v).decode("ascii")
-        worker.current.send_display(data, md)
-
-
-def _format(obj: Any, include, exclude) -> tuple[dict, dict]:
-    global _formatter
-    if _formatter is None:
-        from IPython.core.formatters import DisplayFormatter
-
-        _formatter = DisplayFormatter()
-        png = _formatter.formatters["image/png"]
-        png.for_type_by_name("matplotlib.figure", "Figure", _figure_png)
-    data, md = _formatter.format(obj, include=include, exclude=exclude)
-    return dict(data), dict(md)
-
-
-def _figure_png(fig: Any) -> bytes | None:
-    from IPython.core.pylabtools import print_figure
-
-    return print_figure(fig, "png")
-
-
-def _route_ipython_display() -> None:
-    """Make `from IPython.display import display` (and matplotlib's inline backend) use ours."""
-    try:
-        import IPython.display
-        from IPython.core import display_functions
-    except ImportError:
-        return
-    display_functions.display = display
-    IPython.display.display = display
-
-
-def _flush_figures() -> None:
-    """Show the figures a cell left open, as the inline backend does after each notebook cell."""
-    plt = sys.modules.get("matplotlib.pyplot")
-    if plt is None:
-        return
-    from matplotlib._pylab_helpers import Gcf
-
-    for manager in Gcf.get_all_fig_managers():
-        display(manager.canvas.figure)
-    plt.close("all")
+def push(view: ProcMesh, values: dict[str, Any]) -> None:
+    """Set names in each worker's namespace."""
+    RemoteFunction.by_name(_WORKER, "push", view)(values)

@@ -1,26 +1,20 @@
-"""torch.distributed groups for mesh dimensions.
+"""Naming torch.distributed groups across the process boundary.
 
-The controller names each distinct partition of ranks with a group id and tells every worker of the
-spawned mesh to create it, in the same order on all of them (torch.distributed requires that). A
-`ProcessGroupRef` passed to a live function unpickles on the worker as that worker's group.
+The controller names each distinct partition of a mesh's ranks with a group id and has every worker
+create it (`protocol.MakeGroups`). A `ProcessGroupRef` passed to a live function unpickles on a worker
+as that worker's group, looked up through the resolver the worker installs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 WORLD = 0
 """Group id of the mesh's default group."""
 
-# Worker side: group id -> this worker's torch.distributed group (None where it is no member),
-# or the exception raised while creating it.
-_groups: dict[int, Any] = {}
-store: Any = None
-"""Worker side: the controller's torch.distributed store (for groups made after start-up)."""
-prefix = ""
-"""Worker side: this mesh's key prefix in that store."""
-timeout: Any = None
-"""Worker side: how long collectives wait (a `datetime.timedelta`)."""
+resolver: Callable[[int, tuple[str, ...], str], Any] | None = None
+"""Set by a worker at start: group id -> that worker's group (raises if it has none)."""
 
 
 def gone_key(mesh_id: int) -> str:
@@ -44,30 +38,7 @@ class ProcessGroupRef:
         return _resolve, (self.gid, self.dims, self.mesh)
 
 
-def _resolve(gid: int, dims: tuple[str, ...], mesh: str):
-    if gid not in _groups:
-        raise RuntimeError(
-            f"process group for dimensions {dims} of mesh {mesh} is unknown on this worker; "
-            "groups can only be used on the mesh that made them"
-        )
-    group = _groups[gid]
-    if isinstance(group, BaseException):
-        raise RuntimeError(f"creating the process group for dimensions {dims} failed: {group}")
-    if group is None:
-        raise RuntimeError(f"this worker is not a member of the process group for dimensions {dims} of {mesh}")
-    return group
-
-
-def create(gid: int, rank: int, rank_lists: list[tuple[int, ...]]) -> None:
-    """Worker side: create every group of one partition (collectively), keep ours."""
-    import torch.distributed as dist
-
-    mine = None
-    try:
-        for ranks in rank_lists:
-            group = dist.new_group(list(ranks))
-            if rank in ranks:
-                mine = group
-    except Exception as e:  # reported when the group is used
-        mine = e
-    _groups[gid] = mine
+def _resolve(gid: int, dims: tuple[str, ...], mesh: str) -> Any:
+    if resolver is None:
+        raise RuntimeError(f"process group for dimensions {dims} of mesh {mesh} is only usable on its workers")
+    return resolver(gid, dims, mesh)

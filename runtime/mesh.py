@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+from monarch.runtime import protocol
 from monarch.runtime.groups import WORLD, ProcessGroupRef
 from monarch.runtime.shape import Shape
 
@@ -27,7 +28,7 @@ class HostMesh:
         Each worker owns `cuda:<local rank>` when GPUs exist, else the CPU, and joins a
         torch.distributed group of the whole mesh. Returns when every worker is ready.
         """
-        from monarch.runtime.controller import get_controller
+        from monarch.runtime.controller import get_controller  # (here: `import monarch` must not import zmq)
 
         spawned = get_controller().spawn({"gpu": 1} if per_host is None else per_host)
         return ProcMesh(spawned, spawned.shape)
@@ -64,6 +65,36 @@ class ProcMesh:
     @property
     def names(self) -> tuple[str, ...]:
         return self._shape.names
+
+    @property
+    def state(self) -> str:
+        """The workers' state: ``starting``, ``running``, ``failed``, ``stopping`` or ``stopped``."""
+        return self._spawned.state
+
+    def describe(self) -> str:
+        """The view's shape as text, e.g. ``{host: 2, gpu: 4}``."""
+        return self._shape.describe()
+
+    def label(self, coords: dict[str, int]) -> str:
+        """A point's coordinates as text, e.g. ``host=0,gpu=3``."""
+        return self._shape.label(coords)
+
+    def shares_workers_with(self, other: ProcMesh) -> bool:
+        """Whether `other` is a view of the same spawned mesh (the same worker processes)."""
+        return isinstance(other, ProcMesh) and other._spawned is self._spawned
+
+    def on_change(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call `fn()` (on any thread) when this mesh's workers change state (busy, idle, failed,
+        stopped); returns a function that stops it."""
+        spawned = self._spawned
+        controller = spawned.controller
+
+        def listener(changed) -> None:
+            if changed is spawned:
+                fn()
+
+        controller.add_listener(listener)
+        return lambda: controller.remove_listener(listener)
 
     def size(self, dim: str | None = None) -> int:
         """Size of mesh dimension `dim`, or the number of workers when no dimension is given."""
@@ -102,17 +133,14 @@ class ProcMesh:
         dims_t = (dims,) if isinstance(dims, str) else tuple(dims)
         partition = tuple(self._shape.partition(dims_t))
         spawned = self._spawned
-        everyone = (tuple(range(len(spawned.procs))),)
+        everyone = (tuple(range(spawned.size)),)
         if partition == everyone:
             return ProcessGroupRef(WORLD, dims_t, self._shape.describe())
         with spawned.order_lock:  # a call that uses the group goes out after the message that makes it
             gid = spawned.groups.get(partition)
             if gid is None:
-                from monarch.runtime import wire
-
                 gid = len(spawned.groups) + 1
-                frames = wire.encode(spawned.controller.key, ("groups", gid, partition))
-                spawned.controller.send(spawned, everyone[0], frames)
+                spawned.controller.send(spawned, None, protocol.MakeGroups(gid, partition))
                 spawned.groups[partition] = gid
         return ProcessGroupRef(gid, dims_t, self._shape.describe())
 
@@ -124,15 +152,15 @@ class ProcMesh:
         `monarch.Tensor` handles; outside, torch is untouched.
         """
         self._check()
-        from monarch.runtime import tensor
+        from monarch.runtime.tensor import capture  # a public shortcut into the layer above (marked)
 
         token = _active.set(self)
         try:
-            with tensor.activate(self):
+            with capture.activate(self):
                 yield self
         finally:
             _active.reset(token)
-            tensor.flush(self)
+            capture.flush(self)
 
     def exit(self) -> None:
         """Stop the workers (of the whole spawned mesh, which all views share). Idempotent."""
@@ -143,16 +171,15 @@ class ProcMesh:
         self.exit()
         return this_host().spawn_procs(self._spawned.shape.size_dict)
 
+    @property
+    def spawned_sizes(self) -> dict[str, int]:
+        """The sizes the whole mesh (not this view) was spawned with."""
+        return self._spawned.shape.size_dict
+
     def status(self) -> list[str]:
         """Per point of this view: ``idle``, ``busy``, ``failed`` or ``stopped``."""
         sp = self._spawned
-        busy = {
-            r
-            for call in list(sp.controller.calls.values())
-            if call.mesh is sp
-            for r in call.ranks
-            if r not in call.replies
-        }
+        busy = sp.controller.busy_ranks(sp)
         out = []
         for r in self._shape.ranks:
             if sp.state in ("running", "starting"):

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import inspect
 import linecache
 import pickle
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 import cloudpickle
 
-from monarch.runtime import context, fnblob, wire
+from monarch.runtime import context, fnblob, protocol, wire
+from monarch.runtime.controller import OutputEvent
 from monarch.runtime.errors import RemoteError, RemoteInterrupt, group_failures
 from monarch.runtime.mesh import ProcMesh, active_mesh
 from monarch.runtime.shape import Shape
@@ -55,6 +55,14 @@ class ValueMesh(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._values)
+
+    def describe(self) -> str:
+        """The shape of the view the values came from, e.g. ``{host: 2, gpu: 4}``."""
+        return self._shape.describe()
+
+    def label(self, coords: dict[str, int]) -> str:
+        """A point's coordinates as text, e.g. ``host=0,gpu=3``."""
+        return self._shape.label(coords)
 
     def to_table(self) -> str:
         rows = [(self._shape.label(c), repr(v)) for c, v in self.items()]
@@ -99,8 +107,8 @@ class Future(Generic[T]):
             pass  # a worker that did not answer in time is reported as busy
         labels = pending.mesh.labels
         raw = []
-        for rank, (kind, body, buffers) in list(pending.replies.items()):
-            if kind == "error":
+        for rank, (ok, body, buffers) in list(pending.replies.items()):
+            if not ok:
                 try:
                     raw.append((rank, labels[rank], _loads(body, buffers)))
                 except Exception:
@@ -119,13 +127,13 @@ class Future(Generic[T]):
         labels = self._pending.mesh.labels
         values, failed = [], []
         for rank in self._shape.ranks:
-            kind, body, buffers = replies[rank]
+            ok, body, buffers = replies[rank]
             try:
                 obj = _loads(body, buffers)
             except Exception as e:
                 failed.append((rank, labels[rank], (type(e).__qualname__, f"result cannot be unpickled here: {e}", "")))
                 continue
-            if kind == "error":
+            if not ok:
                 failed.append((rank, labels[rank], obj))
             else:
                 values.append(obj)
@@ -137,8 +145,8 @@ class Future(Generic[T]):
 def _loads(body, buffers) -> Any:
     """Unpickle a result as local objects, also inside `mesh.activate()` (whose capture would turn
     the tensors being rebuilt into commands for the workers)."""
-    tensor = sys.modules.get("monarch.runtime.tensor")
-    if tensor is None or tensor._capturing.get() is None:
+    capture = sys.modules.get("monarch.runtime.tensor.capture")
+    if capture is None or capture.capturing.get() is None:
         return wire.loads(body, buffers)
     import torch
 
@@ -172,11 +180,26 @@ class RemoteFunction:
             return self._fn(*args, **kwargs)
         return self.call_async(*args, **kwargs).result()
 
+    @property
+    def __monarch_fn__(self):
+        """The function itself (what a worker that imports this live function by name runs)."""
+        return self._fn
+
     def call_async(self, *args, **kwargs) -> Future:
         """Start the call on every worker and return at once."""
-        return self._start(args, kwargs)
+        return self.start(args, kwargs)
 
-    def _start(self, args: tuple, kwargs: dict, no_stdin: str | None = None, output=None, name: str = "") -> Future:
+    def start(
+        self,
+        args: tuple,
+        kwargs: dict,
+        *,
+        no_stdin: str | None = None,
+        output: Callable[[OutputEvent], None] | None = None,
+        name: str = "",
+    ) -> Future:
+        """Start the call with options: `no_stdin` (why the workers cannot be given input, if they
+        cannot), `output` (where its output goes, instead of the controller's sink), `name` (in errors)."""
         mesh = self._mesh or active_mesh()
         if mesh is None:
             raise RuntimeError(
@@ -186,12 +209,12 @@ class RemoteFunction:
         spawned.check_usable()
         controller = spawned.controller
         fn = self._fn
-        blob = fnblob.function_blob(fn, lambda: _by_reference(self), lambda obj: _pickle(obj, "function", fn))
-        ranks, names, sizes = shape.ranks, shape.names, shape.sizes
+        blob = fnblob.function_blob(fn, lambda: _by_reference(fn), lambda obj: _pickle(obj, "function", fn))
+        view = (shape.names, shape.sizes, shape.ranks)
         # Whether the workers have the function yet, and the send that ships it, are one step: a call
         # from another thread must not overtake the message that carries the function.
         with spawned.order_lock:
-            engine = getattr(spawned, "engine", None)
+            engine = spawned.engine
             if engine is not None:
                 engine.flush()  # tensor commands issued before this call run before it (its lock also waits
                 # for a batch that another thread, e.g. the frees reaper, is sending right now)
@@ -199,21 +222,45 @@ class RemoteFunction:
             if known is None:
                 known = spawned.fns[blob] = (len(spawned.fns) + 1, set())
             fid, have = known
-            ship = not have.issuperset(ranks)
+            ship = not have.issuperset(shape.ranks)
             body = _pickle((args, kwargs), "arguments", fn)
-            # The function travels in the header (plain bytes), apart from the arguments: a worker keeps
-            # it even when the arguments fail to unpickle there.
-            shipped = (blob, _sources(fn)) if ship else (None, None)
-
-            def frames_for(call_id: int) -> list:
-                return wire.encode(controller.key, ("call", call_id, fid, names, sizes, ranks, *shipped), body)
-
-            pending = controller.call(spawned, ranks, frames_for, no_stdin, output)
-            have.update(ranks)
+            # The function travels in the message, apart from the arguments: a worker keeps it even when
+            # the arguments fail to unpickle there.
+            fn_blob, sources = (blob, _sources(fn)) if ship else (None, None)
+            pending = controller.call(
+                spawned,
+                shape.ranks,
+                lambda call_id: (protocol.Call(call_id, fid, view, fn_blob, sources), body),
+                no_stdin,
+                output,
+            )
+            have.update(shape.ranks)
         return Future(pending, shape, name or self.__name__)
 
     def __repr__(self) -> str:
         return f"<live function {self.__qualname__}>"
+
+    @classmethod
+    def by_name(cls, module: str, qualname: str, mesh: ProcMesh) -> RemoteFunction:
+        """A function the workers import by name (worker-side code the controller must not import)."""
+        return cls(_named(module, qualname), mesh)
+
+
+class _Named:
+    """Stands for a function that only workers import: its name, nothing else."""
+
+    def __init__(self, module: str, qualname: str) -> None:
+        self.__module__, self.__qualname__ = module, qualname
+        self.__name__ = qualname.rsplit(".", 1)[-1]
+        self.ref = wire.FunctionRef(module, qualname)
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self.__module__}.{self.__qualname__} runs on workers only")
+
+
+@functools.cache
+def _named(module: str, qualname: str) -> _Named:
+    return _Named(module, qualname)
 
 
 def remote(fn):
@@ -221,33 +268,19 @@ def remote(fn):
     return RemoteFunction(fn)
 
 
-def _import_function(module: str, qualname: str):
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj._fn if isinstance(obj, RemoteFunction) else obj
-
-
-class _FunctionRef:
-    def __init__(self, module: str, qualname: str):
-        self.module, self.qualname = module, qualname
-
-    def __reduce__(self):
-        return _import_function, (self.module, self.qualname)
-
-
-def _by_reference(rf: RemoteFunction) -> _FunctionRef | None:
-    """A reference to `rf`'s function if workers can import it (not defined in `__main__`)."""
-    fn = rf._fn
+def _by_reference(fn) -> wire.FunctionRef | None:
+    """A reference to `fn` if workers can import it (not defined in `__main__`)."""
+    if isinstance(fn, _Named):
+        return fn.ref
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     mod = sys.modules.get(module or "")
     if mod is None or module == "__main__" or getattr(mod, "__spec__", None) is None or "<locals>" in qualname:
         return None
     try:
-        found = _import_function(module, qualname)
+        found = wire.import_function(module, qualname)
     except (AttributeError, ImportError):
         return None
-    return _FunctionRef(module, qualname) if found is fn else None
+    return wire.FunctionRef(module, qualname) if found is fn else None
 
 
 def _pickle(obj, what: str, fn) -> Any:
@@ -264,6 +297,8 @@ def _pickle(obj, what: str, fn) -> Any:
 def _sources(fn) -> dict[str, list[str]]:
     """Source lines of the by-value code `fn` uses, so worker tracebacks can show them."""
     out: dict[str, list[str]] = {}
+    if isinstance(fn, _Named):
+        return out
     seen: set[int] = set()
     todo = [fn]
     while todo:

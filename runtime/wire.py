@@ -1,14 +1,17 @@
 """Messages on the wire: signed frames, pickle protocol 5 with out-of-band buffers.
 
-A message is the frame list ``[signature | header | body, *buffers]``:
+A message is the frame list ``[signature | envelope | header | body, *buffers]``:
 
-- ``header`` is a plain pickle of a small tuple of builtins (the message kind, call id, rank, ...);
+- the envelope names the sender (mesh id, rank; -1 for the controller) and carries its sequence number,
+  so that a receiver can refuse a replayed message;
+- ``header`` is a plain pickle of a message (a `protocol` dataclass);
 - ``body`` is a cloudpickle of the user's payload (a function, arguments, a result), with every large
   buffer (tensor, ndarray, bytes-like) left out of the pickle and sent as its own frame;
 - ``signature`` is HMAC-SHA256 over header, body and buffers with a key private to one controller.
 
 `decode` checks the signature before anything is unpickled; nothing else in the runtime unpickles
-bytes that came from a socket.
+bytes that came from a socket. Only `backends/transport.py` signs and checks (it owns keys and
+sequence numbers); everything else sends and receives typed messages.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import pickle
 import struct
 import sys
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
@@ -33,8 +37,6 @@ class BadSignature(Exception):
 
 
 SIG = 32
-_LEN = struct.Struct("<I")
-_MIN = SIG + _LEN.size
 _compare = hmac.compare_digest
 
 
@@ -98,6 +100,26 @@ class _Pickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
+class FunctionRef:
+    """An importable function, pickled as its module and qualified name (workers import it)."""
+
+    def __init__(self, module: str, qualname: str):
+        self.module, self.qualname = module, qualname
+
+    def __reduce__(self):
+        return import_function, (self.module, self.qualname)
+
+
+def import_function(module: str, qualname: str) -> Any:
+    """The function `module.qualname` (a live function's own function, if it is one)."""
+    import importlib
+
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return getattr(obj, "__monarch_fn__", obj)
+
+
 def _torch_attr(name: str) -> Any:
     import torch
 
@@ -155,31 +177,63 @@ def loads(body, buffers=()) -> Any:
     return pickle.loads(body, buffers=buffers)
 
 
-def encode(key: bytes, header: tuple, body: list | None = None) -> list:
-    """Frames for `header` and an already pickled body ``[body, *buffers]``.
+_ENVELOPE = struct.Struct("<IiQI")
+"""mesh id, sender rank (-1: the controller), sequence number, header length."""
+_FIXED = SIG + _ENVELOPE.size
+CONTROLLER = -1
+"""The sender rank of messages from the controller."""
 
-    The first frame is ``signature | len(header) | header | body``; each buffer follows as its own
-    frame. The signature covers everything after itself, buffers included.
+
+@dataclass(slots=True)
+class Envelope:
+    """A message as received: who sent it, its sequence number, the message, its body (not yet unpickled)."""
+
+    mesh_id: int
+    rank: int
+    seq: int
+    message: Any
+    body: Any
+    buffers: list
+
+
+def encode(key: bytes, mesh_id: int, rank: int, seq: int, message: Any, body: list | None = None) -> list:
+    """Frames for `message` from (`mesh_id`, `rank`), with an already pickled body ``[body, *buffers]``.
+
+    The first frame is ``signature | mesh id | rank | seq | len(header) | header | body``; each buffer
+    follows as its own frame. The signature covers everything after itself, buffers included.
     """
-    h = pickle.dumps(header, protocol=5)
+    h = pickle.dumps(message, protocol=5)
     body = body or [b""]
-    meta = b"".join((_LEN.pack(len(h)), h, body[0]))
+    meta = b"".join((_ENVELOPE.pack(mesh_id, rank, seq, len(h)), h, body[0]))
     return [_sign(key, [meta, *body[1:]]) + meta, *body[1:]]
 
 
-def decode(key: bytes, frames: list) -> tuple[tuple, memoryview, list]:
-    """Check the signature, then return ``(header, body, buffers)``. Nothing is unpickled before."""
-    f = frames[0]
-    first = f.buffer if hasattr(f, "buffer") else memoryview(f)  # a zmq.Frame, or bytes
-    if len(first) < _MIN:
+def _view(f) -> memoryview:
+    return f.buffer if hasattr(f, "buffer") else memoryview(f)  # a zmq.Frame, or bytes
+
+
+def sender(frames: list) -> tuple[int, int]:
+    """``(mesh id, rank)`` a message claims to come from, read before its signature is checked (to pick
+    the key that checks it); `BadSignature` if it is too short to be a message."""
+    first = _view(frames[0])
+    if len(first) < _FIXED:
+        raise BadSignature(f"a {len(first)}-byte message is too short to be signed")
+    mesh_id, rank, _, _ = _ENVELOPE.unpack_from(first, SIG)
+    return mesh_id, rank
+
+
+def decode(key: bytes, frames: list) -> Envelope:
+    """Check the signature, then unpickle the message (its body stays bytes). Nothing is unpickled before."""
+    first = _view(frames[0])
+    if len(first) < _FIXED:
         raise BadSignature(f"a {len(first)}-byte message is too short to be signed")
     if len(frames) == 1:
         bufs = []
         mac = _sign(key, [first[SIG:]])
     else:
-        bufs = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames[1:]]
+        bufs = [_view(f) for f in frames[1:]]
         mac = _sign(key, [first[SIG:], *bufs])
     if not _compare(first[:SIG], mac):
         raise BadSignature(f"bad signature on a {len(first)}-byte message")
-    (n,) = _LEN.unpack_from(first, SIG)
-    return pickle.loads(first[_MIN : _MIN + n]), first[_MIN + n :], bufs
+    mesh_id, rank, seq, n = _ENVELOPE.unpack_from(first, SIG)
+    return Envelope(mesh_id, rank, seq, pickle.loads(first[_FIXED : _FIXED + n]), first[_FIXED + n :], bufs)

@@ -76,9 +76,9 @@ def test_two_threads_starting_on_a_fresh_mesh_share_one_engine():
 def test_freed_tensors_are_freed_on_the_workers_that_hold_them(mesh):
     @monarch.remote
     def table_size():
-        from monarch.runtime import tensor_worker
+        from monarch.runtime.worker.engine import table
 
-        return tensor_worker.table_size()
+        return table.table_size()
 
     before = list(table_size.on(mesh)())
     a, b = mesh.slice(host=0), mesh.slice(host=1)

@@ -153,7 +153,7 @@ def test_output_arrives_before_the_result(mesh8):
 
     for _ in range(3):  # the second and later calls reuse the worker's flushed state
         got: list = []
-        partial.on(mesh8.slice(host=0))._start((), {}, output=got.append).result()
+        partial.on(mesh8.slice(host=0)).start((), {}, output=got.append).result()
         for g in range(4):
             text = "".join(e.text for e in got if e.label == f"host=0,gpu={g}" and e.stream == "stdout")
             err = "".join(e.text for e in got if e.label == f"host=0,gpu={g}" and e.stream == "stderr")
@@ -170,7 +170,7 @@ def test_output_of_every_call_arrives_before_its_result(mesh8):
     view = mesh8.slice(host=1)
     for i in range(400):
         got: list = []
-        say.on(view)._start((i,), {}, output=got.append).result()
+        say.on(view).start((i,), {}, output=got.append).result()
         texts = sorted("".join(e.text for e in got if e.rank == r) for r in view._shape.ranks)
         assert texts == [f"line {i}\n"] * 4, (i, texts)
 
@@ -235,9 +235,9 @@ def test_importable_functions_go_by_reference():
 
     from monarch.runtime.remote import _by_reference
 
-    blob = cloudpickle.dumps(_by_reference(uses_globals_and_closures))
+    blob = cloudpickle.dumps(_by_reference(uses_globals_and_closures.__monarch_fn__))
     assert b"test_remote" in blob and b"uses_globals_and_closures" in blob and len(blob) < 200
-    assert _by_reference(monarch.remote(lambda: 1)) is None
+    assert _by_reference(monarch.remote(lambda: 1).__monarch_fn__) is None
 
 
 NOTEBOOK = r"""

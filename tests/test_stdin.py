@@ -68,7 +68,7 @@ def test_two_waiting_threads_serve_one_prompt_at_a_time():
 
     m1, m2 = this_host().spawn_procs({"gpu": 1}), this_host().spawn_procs({"gpu": 1})
     ctl = get_controller()
-    saved = ctl.stdin
+    saved = ctl.stdin.prompt
     open_now, most, lock = [0], [0], threading.Lock()
 
     def one_box(req):
@@ -80,7 +80,7 @@ def test_two_waiting_threads_serve_one_prompt_at_a_time():
             open_now[0] -= 1
         return "typed"
 
-    ctl.stdin = one_box
+    ctl.stdin.prompt = one_box
     try:
         got = []
         ths = [threading.Thread(target=lambda m=m: got.append(list(ask.on(m)()))) for m in (m1, m2)]
@@ -88,6 +88,6 @@ def test_two_waiting_threads_serve_one_prompt_at_a_time():
         [t.join(30) for t in ths]
         assert got == [["typed"], ["typed"]] and most[0] == 1
     finally:
-        ctl.stdin = saved
+        ctl.stdin.prompt = saved
         m1.exit()
         m2.exit()

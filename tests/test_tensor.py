@@ -11,7 +11,6 @@ import torch
 import torch.nn as nn
 
 import monarch
-from monarch.runtime import tensor_worker
 from monarch.runtime.remote import RemoteFunction
 
 from conftest import wait_gone, worker_pids
@@ -212,7 +211,7 @@ def test_cross_mesh_use_is_a_type_error(mesh):
 
 
 def test_freed_handles_are_deleted_on_workers(mesh):
-    size = RemoteFunction(tensor_worker.table_size, mesh)
+    size = RemoteFunction.by_name("monarch.runtime.worker.engine.table", "table_size", mesh)
     with mesh.activate():
         w = torch.zeros(16)
     monarch.inspect(w)
@@ -229,9 +228,9 @@ def test_freed_handles_are_deleted_on_workers(mesh):
 def test_cuda_request_on_a_cpu_mesh_warns_once(mesh, monkeypatch):
     """Every way a tutorial asks for "cuda" makes the tensor on the CPU of a mesh without CUDA, with one
     warning per process."""
-    from monarch.runtime import tensor
+    from monarch.runtime.tensor import patches
 
-    monkeypatch.setattr(tensor, "_warned_cuda", False)
+    monkeypatch.setattr(patches, "_warned_cuda", False)
     with pytest.warns(UserWarning, match="no CUDA") as record:
         torch.set_default_device("cuda")  # the seed tutorial's first cell
         try:
@@ -516,9 +515,9 @@ def _rss_kib(pid: int) -> int:
 
 def test_ops_of_the_backward_pass_of_grad_generator_name_the_line_that_asked_for_it(mesh, monkeypatch):
     """The backward pass runs on a thread of its own: its ops are attributed to the user's line."""
-    from monarch.runtime.tensor import _engine
+    from monarch.runtime.tensor.engine import engine_for
 
-    engine = _engine(mesh._spawned)
+    engine = engine_for(mesh._spawned)
     with mesh.activate():
         lin = nn.Linear(2, 2)
         loss = lin(torch.ones(1, 2)).sum()
@@ -528,7 +527,9 @@ def test_ops_of_the_backward_pass_of_grad_generator_name_the_line_that_asked_for
         grads = list(monarch.grad_generator(loss, [lin.bias, lin.weight]))
         line = inspect.currentframe().f_lineno - 1
         engine.flush()
-    wheres = {cmd[-1] for cmd in sent if cmd[0] == "op"}
+    from monarch.runtime import protocol
+
+    wheres = {cmd.where for cmd in sent if type(cmd) is protocol.Op}
     assert wheres == {
         f"{__file__}:{line} in {test_ops_of_the_backward_pass_of_grad_generator_name_the_line_that_asked_for_it.__name__} (the backward pass of grad_generator)"
     }
@@ -749,7 +750,7 @@ def test_output_of_stream_ops_done_before_a_live_call_is_not_part_of_it(capfd):
         with side.activate():
             assert monarch.inspect(out).tolist() == [2.0, 2.0]  # the side stream has run it
         got = []
-        nap.on(fresh)._start((0.1,), {}, output=got.append).result()
+        nap.on(fresh).start((0.1,), {}, output=got.append).result()
         assert [e.text for e in got if "resized" in e.text] == []
         assert capfd.readouterr().err.count("was resized") == 2  # once per worker, as output of no call
     finally:
@@ -940,15 +941,16 @@ def test_an_op_whose_argument_cannot_be_sent_fails_alone(mesh):
     """A command that cannot be pickled poisons its own result; the rest of its batch still runs."""
     import threading
 
-    from monarch.runtime.tensor import _engine
+    from monarch.runtime import protocol
+    from monarch.runtime.tensor.engine import engine_for
 
     with mesh.activate():
         before = torch.ones(2) * 7
-    engine = _engine(mesh._spawned)
+    engine = engine_for(mesh._spawned)
     bad = monarch.Tensor(torch.empty(2), next(engine.ids), mesh)  # the handle of the crafted op's result
     engine.push(
         mesh._shape.ranks,
-        ("op", "aten::add.Tensor", (tensor_worker.Ref(before._ref), threading.Lock()), {}, bad._ref, "here:1"),
+        protocol.Op("aten::add.Tensor", (protocol.Ref(before._ref), threading.Lock()), {}, bad._ref, "here:1"),
     )
     with mesh.activate():
         after = before + 1

@@ -65,17 +65,17 @@ class MeshTableWidget(StaticFallbackWidget):
         self._mesh = mesh
         self._pending = False
         self._lock = threading.Lock()
-        controller = mesh._spawned.controller
         ref = weakref.ref(self)
+        stop = None
 
-        def listener(spawned) -> None:
+        def changed() -> None:
             w = ref()
             if w is None:
-                controller.listeners.remove(listener)
-            elif spawned is mesh._spawned:
+                stop()
+            else:
                 w._schedule()
 
-        controller.listeners.append(listener)
+        stop = mesh.on_change(changed)
 
     def _schedule(self) -> None:
         """Coalesce bursts of changes into at most ~10 updates a second."""

@@ -58,8 +58,8 @@ class ValueMeshView(StaticFallbackWidget):
     rows = traitlets.List().tag(sync=True)
 
     def __init__(self, values) -> None:
-        rows = [[values._shape.label(c), _text(v)] for c, v in values.items()]
-        super().__init__(title=f"ValueMesh {values._shape.describe()}", rows=rows)
+        rows = [[values.label(c), _text(v)] for c, v in values.items()]
+        super().__init__(title=f"ValueMesh {values.describe()}", rows=rows)
 
     def static_html(self) -> str:
         cells = [[f"<td>{esc(k)}</td>", f'<td><pre style="margin:0">{esc(v)}</pre></td>'] for k, v in self.rows]
@@ -92,10 +92,10 @@ class TensorView(StaticFallbackWidget):
     def __init__(self, values, title: str | None = None, selected: int = 0) -> None:
         labels, texts = [], []
         for coords, v in values.items():
-            labels.append(values._shape.label(coords))
+            labels.append(values.label(coords))
             texts.append(_text(v))
         super().__init__(
-            title=title or f"tensor on {values._shape.describe()}", labels=labels, values=texts, selected=selected
+            title=title or f"tensor on {values.describe()}", labels=labels, values=texts, selected=selected
         )
 
     def static_html(self) -> str:

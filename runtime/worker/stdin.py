@@ -37,6 +37,10 @@ class RemoteStdin(io.TextIOBase):
         return "utf-8"
 
 
+_worker: Any = None
+"""The worker whose stdin this is (set by `install`)."""
+
+
 class WorkerPdb(pdb.Pdb):
     """pdb for workers: an interrupt while paused ends the debugged code instead of re-prompting."""
 
@@ -44,18 +48,16 @@ class WorkerPdb(pdb.Pdb):
         super().__init__(nosigint=True)  # the worker's SIGINT handler raises KeyboardInterrupt
 
     def _cmdloop(self) -> None:
-        from monarch.runtime import worker
-
-        if worker.current is not None:
-            worker.current.in_debugger = True
+        if _worker is not None:
+            _worker.in_debugger = True
         try:
             self.cmdloop()
         except KeyboardInterrupt:
             self.set_quit()  # stop tracing, then let the interrupt end the user's code
             raise
         finally:
-            if worker.current is not None:
-                worker.current.in_debugger = False
+            if _worker is not None:
+                _worker.in_debugger = False
 
 
 def set_trace(*, header: str | None = None) -> None:
@@ -73,6 +75,8 @@ def breakpointhook(*args: Any, **kwargs: Any) -> None:
 
 def install(worker: Any) -> None:
     """Route this worker's stdin, `input()` and pdb through the controller."""
+    global _worker
+    _worker = worker
 
     def remote_input(prompt: object = "") -> str:
         sys.stdout.flush()

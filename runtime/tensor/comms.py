@@ -8,19 +8,13 @@ import threading
 
 import torch
 
-from monarch.runtime import tensor_known as known_values
-from monarch.runtime.streams import get_active_stream
-from monarch.runtime.tensor import (
-    Tensor,
-    _capturing,
-    _check_alive,
-    _check_same_mesh,
-    _check_stream,
-    _engine,
-    _issuer,
-    _new,
-    _where,
-)
+from monarch.runtime import protocol as P
+from monarch.runtime.tensor import known as known_values
+from monarch.runtime.tensor.capture import capturing
+from monarch.runtime.tensor.checks import check_alive, check_same_mesh, check_stream, issuer, where
+from monarch.runtime.tensor.engine import engine_for
+from monarch.runtime.tensor.handles import Tensor, new_handle
+from monarch.runtime.tensor.streams import get_active_stream
 
 
 def reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool = False) -> Tensor:
@@ -30,13 +24,13 @@ def reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool = False
         raise ValueError(f"reduce: unknown reduction {reduction!r}; use one of {', '.join(allowed)}")
     if not isinstance(t, Tensor):
         raise TypeError(f"reduce: needs a monarch.Tensor (made inside mesh.activate()), got {type(t).__name__}")
-    _check_stream("reduce", t, get_active_stream(), mutating=inplace)
+    check_stream("reduce", t, get_active_stream(), mutating=inplace)
     mesh = t._mesh
-    active = _capturing.get()  # inside another mesh's activate(), a collective is the same mistake as `t + 1`
+    active = capturing.get()  # inside another mesh's activate(), a collective is the same mistake as `t + 1`
     if active is not None:
-        _check_same_mesh("reduce", t, active)
+        check_same_mesh("reduce", t, active)
     if mesh._spawned.state != "running":
-        _check_alive("reduce", mesh._spawned)
+        check_alive("reduce", mesh._spawned)
     dims_t = (dims,) if isinstance(dims, str) else tuple(dims)
     for d in dims_t:
         if d not in mesh.names:
@@ -63,11 +57,11 @@ def reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool = False
                 f"reduce: scatter over {size} ranks needs a leading dimension divisible by {size}, got {shape}"
             )
         out_shape = (shape[0] // size, *shape[1:]) if scatter else shape
-    engine = _engine(mesh._spawned)
-    out = t if inplace else _new(engine, mesh, out_shape, t.dtype, t.device)
+    engine = engine_for(mesh._spawned)
+    out = t if inplace else new_handle(engine, mesh, out_shape, t.dtype, t.device)
     if inplace:
         known_values.forget(t)
-    cmd = ("reduce", t._ref, out._ref, group.gid, size, reduction, scatter, shape, t.dtype, t.device.type, _where())
+    cmd = P.Reduce(t._ref, out._ref, group.gid, size, reduction, scatter, shape, t.dtype, t.device.type, where())
     engine.push(mesh._shape.ranks, cmd)
     return out
 
@@ -85,34 +79,32 @@ def to_mesh(t: Tensor, dst) -> Tensor:
         raise TypeError(f"to_mesh: needs a monarch.Tensor, got {type(t).__name__}")
     if not isinstance(dst, ProcMesh):
         raise TypeError(f"to_mesh: needs a ProcMesh to move to (from spawn_procs or a view of one), got {dst!r}")
-    _check_stream("to_mesh", t, get_active_stream())
+    check_stream("to_mesh", t, get_active_stream())
     src = t._mesh
     if tuple(dst._shape.sizes) != tuple(src._shape.sizes):
         raise ValueError(f"to_mesh: shapes differ: {src._shape.describe()} -> {dst._shape.describe()}")
     if dst._spawned is not src._spawned:
         return _to_other_mesh(t, src, dst)
-    engine = _engine(src._spawned)
-    out = _new(engine, dst, tuple(t.shape), t.dtype, t.device)
+    engine = engine_for(src._spawned)
+    out = new_handle(engine, dst, tuple(t.shape), t.dtype, t.device)
     pairs = list(zip(src._shape.ranks, dst._shape.ranks))
     ranks = tuple(sorted(set(src._shape.ranks) | set(dst._shape.ranks)))
-    engine.push(ranks, ("to_mesh", t._ref, out._ref, pairs, tuple(t.shape), t.dtype, t.device.type, _where()))
+    engine.push(ranks, P.MoveWithin(t._ref, out._ref, pairs, tuple(t.shape), t.dtype, t.device.type, where()))
     return out
 
 
 def _to_other_mesh(t: Tensor, src, dst) -> Tensor:
     for m in (src, dst):
         if m._spawned.state != "running":
-            _check_alive("to_mesh", m._spawned)
-    src_engine, dst_engine = _engine(src._spawned), _engine(dst._spawned)
-    out = _new(dst_engine, dst, tuple(t.shape), t.dtype, t.device)
+            check_alive("to_mesh", m._spawned)
+    src_engine, dst_engine = engine_for(src._spawned), engine_for(dst._spawned)
+    out = new_handle(dst_engine, dst, tuple(t.shape), t.dtype, t.device)
     a, b = src._spawned.mesh_id, dst._spawned.mesh_id
     links = [(s, d, f"{a}.{s}>{b}.{d}") for s, d in zip(src._shape.ranks, dst._shape.ranks)]
-    where = _where()
+    at = where()
     with _MOVES:  # one order of moves on every mesh, or two threads moving crosswise deadlock the workers
-        src_engine.push(src._shape.ranks, ("send_to", t._ref, links, tuple(t.shape), t.dtype, where, b))
-        dst_engine.push(
-            dst._shape.ranks, ("recv_from", out._ref, links, tuple(t.shape), t.dtype, t.device.type, where, a)
-        )
+        src_engine.push(src._shape.ranks, P.SendTo(t._ref, links, tuple(t.shape), t.dtype, at, b))
+        dst_engine.push(dst._shape.ranks, P.RecvFrom(out._ref, links, tuple(t.shape), t.dtype, t.device.type, at, a))
         src_engine.flush()  # both halves on the wire now: a sender never waits on a receive still queued here
         dst_engine.flush()
     return out
@@ -143,10 +135,10 @@ def grad_generator(loss: Tensor, params, grad_outputs=None):
 
     handles = [p.register_hook(hook(i)) for i, p in enumerate(params)]
 
-    where = _where()
+    at = where()
 
     def backward():
-        _issuer.where = f"{where} (the backward pass of grad_generator)"
+        issuer.where = f"{at} (the backward pass of grad_generator)"
         try:
             state["result"] = torch.autograd.grad(loss, params, grad_outputs=grad_outputs, allow_unused=True)
         except BaseException as e:

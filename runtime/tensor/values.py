@@ -6,7 +6,10 @@ from typing import Any
 
 import torch
 
-from monarch.runtime.tensor import Tensor, _check_alive, flush
+from monarch.runtime.remote import RemoteFunction
+from monarch.runtime.tensor.checks import check_alive
+from monarch.runtime.tensor.engine import flush
+from monarch.runtime.tensor.handles import Tensor
 
 
 def _rank_for(t: Tensor, coords: dict[str, int]) -> Any:
@@ -18,13 +21,10 @@ def _rank_for(t: Tensor, coords: dict[str, int]) -> Any:
 
 def fetch_shard(t: Tensor, **coords: int):
     """A future for the value of `t` on the worker at `coords` (default: the first)."""
-    from monarch.runtime import tensor_worker
-    from monarch.runtime.remote import RemoteFunction
-
     if not isinstance(t, Tensor):
         raise TypeError(f"fetch_shard: needs a monarch.Tensor, got {type(t).__name__}")
     if t._mesh._spawned.state != "running":
-        _check_alive("inspect", t._mesh._spawned)
+        check_alive("inspect", t._mesh._spawned)
     b = (t._root if t._root is not None else t)._borrow
     if b is not None and b.dropped:
         raise TypeError(
@@ -34,7 +34,8 @@ def fetch_shard(t: Tensor, **coords: int):
     flush(t._mesh)
     target = _rank_for(t, coords)
     with torch.utils._python_dispatch._disable_current_modes():
-        return Shard(RemoteFunction(tensor_worker.fetch, target)._start((t._ref,), {}, name="fetching a tensor"))
+        fetch = RemoteFunction.by_name("monarch.runtime.worker.engine.table", "fetch", target)
+        return Shard(fetch.start((t._ref,), {}, name="fetching a tensor"))
 
 
 class Shard:

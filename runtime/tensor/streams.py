@@ -40,9 +40,9 @@ class Stream:
 
     def borrow(self, t: Any, mutable: bool = False) -> tuple[Any, Borrow]:
         """Lend tensor `t` (made on another stream) to this stream: returns `(t_on_this_stream, borrow)`."""
-        from monarch.runtime import tensor
+        from monarch.runtime.tensor.handles import borrow  # a public shortcut into handles (marked)
 
-        return tensor.borrow(self, t, mutable)
+        return borrow(self, t, mutable)
 
     def __repr__(self) -> str:
         return f"Stream({self.name!r})"

@@ -1,0 +1,79 @@
+"""The seam between the controller and whatever runs its workers.
+
+A `Backend` starts a mesh's workers, sends them typed messages, hands the controller what they send
+back (through `replies`), tells it when a worker is lost, and stops them. The controller keeps calls,
+meshes and users' threads; it never touches a process or a socket. `local` runs workers on this
+machine; Slurm host agents and the simulator plug in here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from monarch.runtime.shape import Shape
+
+LostCallback = Callable[[int, int, str], None]
+"""``(mesh id, rank, cause)``: a worker of a running mesh exited, froze or stopped taking commands."""
+
+
+class Replies(Protocol):
+    """Where workers' messages arrive. One thread at a time receives (the controller's receive lock)."""
+
+    def recv(self, block: bool) -> Any:
+        """An `Envelope` (checked and unpacked), `POKE`, `DROPPED`, or None (timed out / nothing)."""
+
+    def poll_briefly(self, seconds: float) -> Any:
+        """Like ``recv(block=False)``, trying for up to `seconds`."""
+
+    def set_timeout(self, ms: int) -> None:
+        """How long a blocking `recv` waits."""
+
+    def poke(self) -> None:
+        """Wake a thread blocked in `recv`."""
+
+    @property
+    def reply_fd(self) -> int:
+        """A descriptor that becomes readable when messages may be waiting (edge-triggered)."""
+
+
+class Backend(ABC):
+    """Runs workers for one controller. Methods may be called from any thread."""
+
+    replies: Replies
+
+    @abstractmethod
+    def start(self, mesh_id: int, shape: Shape, labels: list[str]) -> list[dict]:
+        """Start one worker per point of `shape`; return once every one is ready, with each worker's
+        ``{"pid", "host", "device"}``. Raises (naming the rank) if one fails to start, and `TimeoutError`
+        after the spawn timeout; nothing is left running then."""
+
+    @abstractmethod
+    def send(self, mesh_id: int, ranks: tuple[int, ...] | None, message: Any, body: list | None = None) -> None:
+        """Send a `protocol` message (and its pickled body) to `ranks` of a mesh (None: all); never waits
+        for an answer. Messages to one worker arrive in the order sent."""
+
+    @abstractmethod
+    def interrupt(self, mesh_id: int, ranks: tuple[int, ...], call_id: int) -> None:
+        """Raise KeyboardInterrupt in call `call_id` on `ranks` (a worker busy with another call skips it)."""
+
+    @abstractmethod
+    def stop(self, mesh_id: int, graceful: bool) -> None:
+        """Stop a mesh's workers (asking first when `graceful`, then killing) and wait until they are gone."""
+
+    @abstractmethod
+    def kill(self, mesh_id: int) -> None:
+        """Kill a mesh's workers now (after a failure); does not wait."""
+
+    @abstractmethod
+    def mark_gone(self, mesh_id: int) -> None:
+        """Tell workers of other meshes that wait to meet one of this mesh's that it will not come."""
+
+    @abstractmethod
+    def exit_codes(self, mesh_id: int) -> dict[int, int | None]:
+        """Exit status of each worker that has exited."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop serving: after every mesh was stopped."""

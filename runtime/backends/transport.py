@@ -1,0 +1,624 @@
+"""The sockets between a controller and its workers, both ends, and what keeps them safe.
+
+- Commands go down a ROUTER socket with one connection per worker, addressed by a secret routing id
+  the worker got at start: no other process can receive them, and a worker that stops taking
+  commands is known by rank (a full queue is backpressure, then a named failure, never a silent drop
+  or unbounded memory).
+- Replies, output and input requests come up a PULL socket with a bounded queue.
+- Every message is signed with its mesh's key (HMAC-SHA256) and checked before anything is unpickled;
+  it names its sender and carries a sequence number, and a receiver refuses any number it has seen.
+- Local sockets live in a directory only this user can open. TCP sockets bind one interface and use
+  ZeroMQ's CURVE encryption; a client is admitted only with the key pair of a running mesh.
+- Whatever fails these checks is dropped and logged, at most one line per kind every few seconds.
+
+This module is the only one that calls `wire.encode` / `wire.decode`; both the controller's backends
+and the workers use it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from monarch.runtime import protocol, wire
+from monarch.runtime.config import Settings
+
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
+REPLY_HWM = 10_000
+"""Messages the controller queues per worker connection on the reply socket (past this, the worker
+holds its output until the controller reads; its memory, not ours)."""
+JUNK_HWM = 16
+"""Messages queued from one connection on sockets where only start-up messages are expected."""
+POKE = object()
+"""`ControllerTransport.recv`'s answer for a poke: an empty message that wakes a blocked receiver."""
+DROPPED = object()
+"""`ControllerTransport.recv`'s answer for a message that failed its checks (already logged)."""
+
+
+class RateLimitedLog:
+    """Lines about dropped messages: at most one per kind every `interval` seconds, with a count of
+    those left unsaid (a flood of junk must not flood the terminal)."""
+
+    def __init__(self, prefix: str, interval: float = 5.0) -> None:
+        self.prefix = prefix
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._quiet: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, kind: str, detail: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(kind, -1e9) < self.interval:
+                self._quiet[kind] = self._quiet.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            quiet = self._quiet.pop(kind, 0)
+        more = f" ({quiet} more like it in the last {self.interval:.0f} s)" if quiet else ""
+        out = sys.__stderr__
+        if out is not None:
+            print(f"{self.prefix}: dropped {kind}: {detail}{more}", file=out, flush=True)
+
+
+# -- Ctrl-C between the frames of one message --------------------------------------------------------
+class InterruptHold:
+    """Holds Ctrl-C back while the main thread is in the middle of something that must not be cut short
+    (the frames of one message; a reply being taken off the socket), then delivers it.
+
+    Our handler acts as Python's default one (raises KeyboardInterrupt) except inside `hold()`; it is
+    installed only over the default handler, and put back by `uninstall`."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.pending = False
+        self.handler = self._handle  # one bound method, so that getsignal() can recognise it
+
+    def _handle(self, signum, frame) -> None:
+        if self.depth:
+            self.pending = True
+            return
+        raise KeyboardInterrupt
+
+    def install(self) -> None:
+        if threading.get_ident() == MAIN and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, self.handler)
+
+    def uninstall(self) -> None:
+        if threading.get_ident() == MAIN and signal.getsignal(signal.SIGINT) is self.handler:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def enter(self) -> bool:
+        """Start holding; False when this thread cannot be interrupted or another handler is set (then
+        `swap_enter` is the slow, general way)."""
+        if threading.get_ident() != MAIN:
+            return False
+        if signal.getsignal(signal.SIGINT) is not self.handler:
+            return False
+        self.depth += 1
+        return True
+
+    def leave(self) -> None:
+        self.depth -= 1
+        if not self.depth and self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+
+MAIN = threading.main_thread().ident
+"""The thread Python runs signal handlers in (Ctrl-C is raised there)."""
+HOLD = InterruptHold()
+
+
+class _Swap:
+    """Hold Ctrl-C with a handler of our own for a moment, whatever handler is set (5 µs: the slow way)."""
+
+    def __enter__(self):
+        self.held: list = []
+        self.old = signal.signal(signal.SIGINT, lambda signum, frame: self.held.append(frame))
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.old)
+        if self.held and callable(self.old):
+            self.old(signal.SIGINT, self.held[0])
+
+
+def _send_whole(sock: zmq.Socket, ident: bytes, frames: list) -> None:
+    """One message to `ident`, all its frames or (zmq.Again, if the peer's queue is full) none."""
+    sock.send(ident, _NOBLOCK | _SNDMORE)  # a full queue refuses the first frame; the rest then go
+    last = len(frames) - 1
+    for i, f in enumerate(frames):
+        sock.send(f, _NOBLOCK | (_SNDMORE if i < last else 0), copy=i == 0)
+
+
+# -- keys ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WorkerKeys:
+    """What one worker needs to talk to its controller. Travels only through private channels (the fork
+    server's pipe; a file of mode 0600), never a command line or the environment."""
+
+    mesh_id: int
+    rank: int
+    key: bytes
+    """The mesh's HMAC key."""
+    routing_id: bytes
+    """This worker's secret address on the command socket."""
+    cmd_addr: str
+    reply_addr: str
+    store_addr: str
+    server_public: bytes | None = None
+    """CURVE (TCP only): the controller's public key and this mesh's client key pair."""
+    client_public: bytes | None = None
+    client_secret: bytes | None = None
+
+
+@dataclass
+class _Mesh:
+    key: bytes
+    ids: list[bytes]
+    client_public: bytes | None
+    seq: int = 0
+    """Sequence number of the last message sent to this mesh's workers."""
+    seen: list[int] = field(default_factory=list)
+    """Per rank: sequence number of the last message taken from that worker."""
+
+
+class PeerStalled(Exception):
+    """A worker has not taken its commands for `send_stall` seconds while its queue was full."""
+
+    def __init__(self, mesh_id: int, rank: int, seconds: float):
+        self.mesh_id, self.rank, self.seconds = mesh_id, rank, seconds
+        super().__init__(f"mesh {mesh_id} rank {rank} took no commands for {seconds:.0f} s")
+
+
+class _Curve:
+    """CURVE for TCP: the server key pair, and a ZAP handler admitting the client keys of live meshes."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self.public, self.secret = zmq.curve_keypair()
+        self.clients: set[bytes] = set()
+        self.auth = ThreadAuthenticator(ctx, log=_QuietLog())
+        self.auth.start()
+        self.auth.configure_curve_callback(domain="monarch", credentials_provider=self)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.clients
+
+    def serve(self, sock: zmq.Socket) -> None:
+        sock.curve_secretkey = self.secret
+        sock.curve_publickey = self.public
+        sock.curve_server = True
+        sock.zap_domain = b"monarch"
+
+    def stop(self) -> None:
+        self.auth.stop()
+
+
+class _QuietLog:
+    """ZAP refusals are expected under attack; one rate-limited line instead of a log record each."""
+
+    _log = RateLimitedLog("monarch")
+
+    def debug(self, *a, **k) -> None:
+        pass
+
+    info = debug
+
+    def warning(self, msg, *args, **k) -> None:
+        self._log("a connection", "its CURVE key is not one of a running mesh's")
+
+    error = warning
+    exception = warning
+
+
+def _client(sock: zmq.Socket, keys: WorkerKeys) -> None:
+    if keys.server_public is not None:
+        sock.curve_serverkey = keys.server_public
+        sock.curve_publickey = keys.client_public
+        sock.curve_secretkey = keys.client_secret
+
+
+# -- the controller's end ------------------------------------------------------------------------------
+class ControllerTransport:
+    """The controller's sockets: commands down (ROUTER), replies up (PULL), the store's (ROUTER).
+
+    Thread use: any thread sends (under a lock); one thread at a time receives replies (the
+    controller's receive lock); start-up messages on the command socket are read by the backend's
+    monitor under the send lock; the store's socket belongs to the store's thread.
+    """
+
+    def __init__(self, settings: Settings, directory: str) -> None:
+        self.settings = settings
+        self.ctx = zmq.Context()
+        self.curve = _Curve(self.ctx) if settings.transport == "tcp" else None
+        self.cmd = self._socket(zmq.ROUTER, sndhwm=settings.send_hwm, rcvhwm=JUNK_HWM)
+        self.cmd.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or unknown peer is an error, not a silent drop
+        self.reply = self._socket(zmq.PULL, rcvhwm=REPLY_HWM)
+        self.store = self._socket(zmq.ROUTER, sndhwm=settings.send_hwm, rcvhwm=REPLY_HWM)
+        self.store.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if settings.transport == "ipc":
+            self.host = "127.0.0.1"
+            for sock, name in ((self.cmd, "cmd"), (self.reply, "reply"), (self.store, "store")):
+                sock.bind(f"ipc://{directory}/{name}")
+        else:
+            self.host = settings.bind_addr
+            for sock in (self.cmd, self.reply, self.store):
+                sock.bind(f"tcp://{self.host}:0")
+        self.cmd_addr, self.reply_addr, self.store_addr = (
+            s.getsockopt_string(zmq.LAST_ENDPOINT) for s in (self.cmd, self.reply, self.store)
+        )
+        # An empty message on the reply socket wakes whoever receives (a call failed on another thread).
+        wake = f"inproc://monarch-wake-{id(self)}"
+        self.reply.bind(wake)
+        self._waker = self.ctx.socket(zmq.PUSH)
+        self._waker.setsockopt(zmq.LINGER, 0)
+        self._waker.connect(wake)
+        self._waker_lock = threading.Lock()
+        self.send_lock = threading.Lock()
+        self._meshes: dict[int, _Mesh] = {}
+        self._store_seen: dict[bytes, int] = {}
+        """Store connection -> sequence number of its last request."""
+        self._rcvtimeo = -1
+        self.log = RateLimitedLog("monarch")
+        self.closed = False
+
+    def _socket(self, kind: int, sndhwm: int = 1000, rcvhwm: int = 1000) -> zmq.Socket:
+        s = self.ctx.socket(kind)
+        s.setsockopt(zmq.SNDHWM, sndhwm)
+        s.setsockopt(zmq.RCVHWM, rcvhwm)
+        s.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            self.curve.serve(s)
+        return s
+
+    # -- meshes ------------------------------------------------------------------------------------
+    def add_mesh(self, mesh_id: int, n: int) -> list[WorkerKeys]:
+        """New keys for a mesh of `n` workers: its HMAC key, each worker's address, and (TCP) a CURVE
+        key pair of its own, admitted until `remove_mesh`."""
+        key = os.urandom(32)
+        ids = [os.urandom(16) for _ in range(n)]
+        public = secret = None
+        if self.curve is not None:
+            public, secret = zmq.curve_keypair()
+            self.curve.clients.add(public)
+        self._meshes[mesh_id] = _Mesh(key, ids, public, seen=[0] * n)
+        server = self.curve.public if self.curve is not None else None
+        return [
+            WorkerKeys(mesh_id, r, key, ids[r], self.cmd_addr, self.reply_addr, self.store_addr, server, public, secret)
+            for r in range(n)
+        ]
+
+    def remove_mesh(self, mesh_id: int) -> None:
+        """Forget a mesh: its messages are dropped from now on and its CURVE key no longer admitted."""
+        mesh = self._meshes.pop(mesh_id, None)
+        if mesh is not None and self.curve is not None:
+            self.curve.clients.discard(mesh.client_public)
+
+    # -- sending -----------------------------------------------------------------------------------
+    def send(self, mesh_id: int, ranks: tuple[int, ...] | None, message: Any, body: list | None = None) -> None:
+        """Sign `message` once and send it to `ranks` of the mesh (None: every worker).
+
+        A worker whose queue is full makes the sender wait for it (backpressure); after `send_stall`
+        seconds without progress, `PeerStalled` names it. A worker that is gone is skipped (its
+        exit is reported by the backend's monitor)."""
+        mesh = self._meshes.get(mesh_id)
+        if mesh is None:
+            return
+        with self.send_lock:
+            if self.closed:
+                return
+            mesh.seq += 1
+            frames = wire.encode(mesh.key, mesh_id, wire.CONTROLLER, mesh.seq, protocol.pack(message), body)
+            held = HOLD.enter()
+            try:
+                if not held and threading.get_ident() == MAIN:
+                    with _Swap():
+                        self._send_all(mesh_id, mesh, ranks, frames)
+                else:
+                    self._send_all(mesh_id, mesh, ranks, frames)
+            finally:
+                if held:
+                    HOLD.leave()
+
+    def _send_all(self, mesh_id: int, mesh: _Mesh, ranks, frames: list) -> None:
+        cmd = self.cmd
+        for rank in range(len(mesh.ids)) if ranks is None else ranks:
+            ident = mesh.ids[rank]
+            try:
+                _send_whole(cmd, ident, frames)
+            except zmq.Again:
+                self._wait_for(mesh_id, mesh, rank, ident, frames)
+            except zmq.ZMQError as e:
+                if e.errno != errno.EHOSTUNREACH:
+                    raise
+
+    def _wait_for(self, mesh_id: int, mesh: _Mesh, rank: int, ident: bytes, frames: list) -> None:
+        """Backpressure: the worker's queue is full. Wait for it to take commands, while its mesh lives."""
+        deadline = time.monotonic() + self.settings.send_stall
+        pause = 0.00005
+        while time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+            if self._meshes.get(mesh_id) is not mesh or self.closed:
+                return  # the mesh was stopped or failed meanwhile: nothing to deliver
+            try:
+                _send_whole(self.cmd, ident, frames)
+                return
+            except zmq.Again:
+                continue
+            except zmq.ZMQError as e:
+                if e.errno == errno.EHOSTUNREACH:
+                    return
+                raise
+        raise PeerStalled(mesh_id, rank, self.settings.send_stall)
+
+    # -- receiving replies -------------------------------------------------------------------------
+    def set_timeout(self, ms: int) -> None:
+        if ms != self._rcvtimeo:
+            self.reply.setsockopt(zmq.RCVTIMEO, ms)
+            self._rcvtimeo = ms
+
+    def recv(self, block: bool) -> Any:
+        """The next reply as an `Envelope` (signature and sequence checked, message unpacked), `POKE`,
+        `DROPPED`, or None (nothing within the timeout, or nothing at all when not blocking)."""
+        try:
+            first = self.reply.recv(0 if block else _NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        if not first.more:
+            if not len(first):
+                return POKE
+            frames = [first]
+        else:
+            frames = [first]
+            while frames[-1].more:
+                frames.append(self.reply.recv(copy=False))
+        return self._verify(frames)
+
+    def poll_briefly(self, seconds: float) -> Any:
+        """Like `recv(block=False)`, trying for up to `seconds` (yielding the CPU between tries)."""
+        end = time.perf_counter() + seconds
+        while True:
+            got = self.recv(False)
+            if got is not None or time.perf_counter() > end:
+                return got
+            os.sched_yield()  # anyone runnable here goes first
+
+    def _verify(self, frames: list) -> Any:
+        try:
+            mesh_id, rank = wire.sender(frames)
+            mesh = self._meshes.get(mesh_id)
+            if mesh is None or not 0 <= rank < len(mesh.ids):
+                self.log("a message", f"it names no running mesh and rank ({mesh_id}, {rank})")
+                return DROPPED
+            env = wire.decode(mesh.key, frames)
+            if env.seq <= mesh.seen[rank]:
+                self.log("a replayed message", f"rank {rank} of mesh {mesh_id} already sent number {env.seq}")
+                return DROPPED
+            mesh.seen[rank] = env.seq
+            env.message = protocol.unpack(env.message)
+            return env
+        except (wire.BadSignature, ValueError) as e:
+            self.log("a message", f"it failed its checks: {e}")
+        except Exception as e:  # a header that is not ours (it was signed, so this is a bug)
+            self.log("a message", f"its header could not be read: {type(e).__name__}: {e}")
+        return DROPPED
+
+    def poke(self) -> None:
+        """Wake a thread blocked in `recv`."""
+        with self._waker_lock:
+            if not self.closed:
+                try:
+                    self._waker.send(b"", _NOBLOCK)
+                except zmq.Again:
+                    pass  # plenty of pokes already queued
+
+    # -- start-up messages on the command socket ---------------------------------------------------
+    def read_cmd(self) -> list[wire.Envelope]:
+        """Messages workers sent on their command connection (`Ready`, `StartFailed`); anything else that
+        came up that socket is dropped. Call it when `cmd_fd` is readable; it also re-arms that fd."""
+        out = []
+        with self.send_lock:
+            if self.closed:
+                return out
+            while True:
+                try:
+                    frames = self.cmd.recv_multipart(_NOBLOCK, copy=False)
+                except zmq.Again:
+                    return out
+                ident, frames = frames[0].bytes, frames[1:]
+                env = self._verify(frames) if frames else DROPPED
+                if env is DROPPED:
+                    continue
+                mesh = self._meshes.get(env.mesh_id)
+                if mesh is None or mesh.ids[env.rank] != ident:
+                    self.log("a message", f"it came on another worker's connection (rank {env.rank})")
+                    continue
+                out.append(env)
+
+    @property
+    def cmd_fd(self) -> int:
+        return self.cmd.getsockopt(zmq.FD)
+
+    @property
+    def reply_fd(self) -> int:
+        return self.reply.getsockopt(zmq.FD)
+
+    # -- the store's socket (its thread only) ------------------------------------------------------
+    def store_recv(self) -> Any:
+        """The next store request ``(connection, envelope)``; `DROPPED` for one that failed its checks
+        (logged); None when there is none."""
+        try:
+            frames = self.store.recv_multipart(_NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        ident, frames = frames[0].bytes, frames[1:]
+        try:
+            mesh_id, rank = wire.sender(frames) if frames else (None, None)
+            mesh = self._meshes.get(mesh_id)
+            if mesh is None or not 0 <= rank < len(mesh.ids):
+                self.log("a store request", f"it names no running mesh and rank ({mesh_id}, {rank})")
+                return DROPPED
+            env = wire.decode(mesh.key, frames)
+            if env.seq <= self._store_seen.get(ident, 0):
+                self.log("a replayed store request", f"number {env.seq} from rank {rank} of mesh {mesh_id}")
+                return DROPPED
+            self._store_seen[ident] = env.seq
+            env.message = protocol.unpack(env.message)
+            return ident, env
+        except (wire.BadSignature, ValueError) as e:
+            self.log("a store request", f"it failed its checks: {e}")
+            return DROPPED
+
+    def store_send(self, ident: bytes, mesh_id: int, message: Any) -> None:
+        mesh = self._meshes.get(mesh_id)
+        if mesh is None:
+            return
+        with self.send_lock:  # the mesh's sequence numbers
+            mesh.seq += 1
+            seq = mesh.seq
+        frames = wire.encode(mesh.key, mesh_id, wire.CONTROLLER, seq, protocol.pack(message))
+        try:
+            self.store.send_multipart([ident, *frames], _NOBLOCK)
+        except (zmq.Again, zmq.ZMQError):
+            pass  # a client that is gone, or not reading: it times out on its side
+
+    def forget_store_client(self, ident: bytes) -> None:
+        self._store_seen.pop(ident, None)
+
+    def close(self) -> None:
+        with self.send_lock:
+            self.closed = True
+        with self._waker_lock:
+            self._waker.close(0)
+        for s in (self.cmd, self.reply):
+            s.close(0)
+
+    def close_store(self) -> None:
+        self.store.close(0)
+
+    def terminate(self) -> None:
+        if self.curve is not None:
+            self.curve.stop()
+        self.ctx.term()
+
+
+# -- a worker's end --------------------------------------------------------------------------------
+class WorkerTransport:
+    """A worker's sockets: commands in (DEALER, under its secret address), replies out (PUSH)."""
+
+    def __init__(self, keys: WorkerKeys) -> None:
+        self.keys = keys
+        self.ctx = zmq.Context()
+        self.cmd = self.ctx.socket(zmq.DEALER)
+        self.cmd.setsockopt(zmq.ROUTING_ID, keys.routing_id)
+        self.cmd.setsockopt(zmq.RCVHWM, 0)  # what the controller pipelined waits here, in our memory
+        self.cmd.setsockopt(zmq.LINGER, 1000)
+        _client(self.cmd, keys)
+        self.cmd.connect(keys.cmd_addr)
+        self.out = self.ctx.socket(zmq.PUSH)
+        self.out.setsockopt(zmq.SNDHWM, 0)  # output is never dropped; it waits here if the controller lags
+        self.out.setsockopt(zmq.LINGER, 5000)
+        _client(self.out, keys)
+        self.out.connect(keys.reply_addr)
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._seen = 0
+        self.log = RateLimitedLog(f"monarch worker {keys.rank}")
+
+    def _encode(self, message: Any, body: list | None) -> list:
+        self._seq += 1
+        k = self.keys
+        return wire.encode(k.key, k.mesh_id, k.rank, self._seq, protocol.pack(message), body)
+
+    def hello(self, message: Any) -> None:
+        """A start-up message (`Ready`, `StartFailed`) on the command connection: it tells the controller
+        that this worker's address is live. Main thread only."""
+        with self._lock:
+            frames = self._encode(message, None)
+        self.cmd.send_multipart(frames)
+
+    def send(self, message: Any, body: list | None = None) -> None:
+        """Send `message` up (any thread)."""
+        with self._lock:
+            frames = self._encode(message, body)
+            if len(frames) == 1:
+                self.out.send(frames[0])
+            else:
+                self.out.send_multipart(frames, copy=False)
+
+    def recv(self) -> wire.Envelope | None:
+        """The next command (blocks); None for one that failed its checks (logged)."""
+        frames = self.cmd.recv_multipart(copy=False)
+        try:
+            mesh_id, rank = wire.sender(frames)
+            if mesh_id != self.keys.mesh_id or rank != wire.CONTROLLER:
+                raise ValueError(f"it claims to come from ({mesh_id}, {rank})")
+            env = wire.decode(self.keys.key, frames)
+            if env.seq <= self._seen:
+                self.log("a replayed command", f"number {env.seq} was already taken")
+                return None
+            self._seen = env.seq
+            env.message = protocol.unpack(env.message)
+            return env
+        except (wire.BadSignature, ValueError) as e:
+            self.log("a command", str(e))
+            return None
+
+    def store_client(self) -> StoreConnection:
+        """A connection of its own to the controller's store (one per thread: see `backends/store.py`)."""
+        return StoreConnection(self)
+
+    def close(self) -> None:
+        self.out.close()
+        self.cmd.close()
+        self.ctx.term()
+
+
+class StoreConnection:
+    """One thread's connection to the controller's rendezvous store: a request, then its answer."""
+
+    def __init__(self, transport: WorkerTransport) -> None:
+        k = transport.keys
+        self.keys = k
+        self.sock = transport.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        _client(self.sock, k)
+        self.sock.connect(k.store_addr)
+        self._seq = 0
+        self._seen = 0
+
+    def request(self, message: Any, timeout: float) -> Any:
+        """Send `message`, wait up to `timeout` seconds for the answer; `TimeoutError` if none came."""
+        k = self.keys
+        self._seq += 1
+        self.sock.send_multipart(wire.encode(k.key, k.mesh_id, k.rank, self._seq, protocol.pack(message)))
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(max(1, int(left * 1000))):
+                raise TimeoutError(f"the controller's store did not answer within {timeout:.0f} s")
+            frames = self.sock.recv_multipart(copy=False)
+            try:
+                env = wire.decode(k.key, frames)
+            except wire.BadSignature:
+                continue
+            if env.seq <= self._seen or env.mesh_id != k.mesh_id:
+                continue
+            self._seen = env.seq
+            answer = protocol.unpack(env.message)
+            if answer.request == self._seq:
+                return answer
+
+    def close(self) -> None:
+        self.sock.close(0)

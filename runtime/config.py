@@ -1,0 +1,93 @@
+"""Every `MONARCH_*` setting, read once per process into a frozen `Settings`.
+
+The controller reads them; workers get the values they need from the controller when they start
+(`WorkerConfig`), so a worker never reads a knob of its own. Bad values are a `ValueError` naming the
+variable, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The runtime's knobs. Environment variable in brackets; defaults suit one machine."""
+
+    transport: str = "ipc"
+    """[MONARCH_TRANSPORT] ``ipc`` (sockets in a private directory) or ``tcp`` (across hosts; encrypted
+    with ZeroMQ CURVE, one key pair per mesh)."""
+    bind_addr: str = "127.0.0.1"
+    """[MONARCH_BIND_ADDR] The interface address TCP sockets bind to (never all interfaces by default)."""
+    spawn_timeout: float = 120.0
+    """[MONARCH_SPAWN_TIMEOUT] Seconds a mesh may take to start before spawning fails."""
+    group_timeout: float = 600.0
+    """[MONARCH_GROUP_TIMEOUT] Seconds a collective (and the rendezvous store) waits for the other ranks."""
+    spin: float = 0.0005
+    """[MONARCH_SPIN_US, in µs] How long a caller waiting for replies polls for them before it sleeps;
+    waking a sleeping thread costs tens of µs on a VM. 0 turns polling off."""
+    send_hwm: int = 1000
+    """[MONARCH_SEND_HWM] Commands queued for one worker that has not taken them yet; past this, senders
+    wait for it (backpressure) instead of queueing more memory."""
+    send_stall: float = 10.0
+    """[MONARCH_SEND_STALL] Seconds a sender waits for a worker whose queue is full; then that worker is
+    dropped and its mesh fails, naming it."""
+    frozen_after: float = 2.0
+    """[MONARCH_FROZEN_AFTER] Seconds a worker may stay stopped (SIGSTOP, process state T) before it is
+    reported lost and its mesh fails."""
+    exit_grace: float = 3.0
+    """[MONARCH_EXIT_GRACE] Seconds workers get to exit after `mesh.exit()` before they are killed."""
+
+
+_ENV = {
+    "transport": "MONARCH_TRANSPORT",
+    "bind_addr": "MONARCH_BIND_ADDR",
+    "spawn_timeout": "MONARCH_SPAWN_TIMEOUT",
+    "group_timeout": "MONARCH_GROUP_TIMEOUT",
+    "spin": "MONARCH_SPIN_US",
+    "send_hwm": "MONARCH_SEND_HWM",
+    "send_stall": "MONARCH_SEND_STALL",
+    "frozen_after": "MONARCH_FROZEN_AFTER",
+    "exit_grace": "MONARCH_EXIT_GRACE",
+}
+
+
+def _number(var: str, text: str, kind: type, minimum: float) -> float | int:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ValueError(f"{var}={text!r} is not a number; give a {kind.__name__} >= {minimum}") from None
+    if value < minimum:
+        raise ValueError(f"{var}={text!r} is too small; give a {kind.__name__} >= {minimum}")
+    return value
+
+
+def from_env(env: dict[str, str] | os._Environ = os.environ) -> Settings:
+    """Settings from environment variables (unset ones keep their defaults)."""
+    values: dict = {}
+    defaults = Settings()
+    for field, var in _ENV.items():
+        text = env.get(var)
+        if text is None or text == "":
+            continue
+        if field == "transport":
+            if text not in ("ipc", "tcp"):
+                raise ValueError(f"{var}={text!r}; use 'ipc' (one machine) or 'tcp' (across hosts)")
+            values[field] = text
+        elif field == "bind_addr":
+            values[field] = text
+        elif field == "spin":
+            values[field] = _number(var, text, float, 0) / 1e6
+        elif field == "send_hwm":
+            values[field] = _number(var, text, int, 1)
+        else:
+            values[field] = _number(var, text, float, 0 if field != "spawn_timeout" else 1)
+    return Settings(**{**defaults.__dict__, **values})
+
+
+@functools.cache
+def settings() -> Settings:
+    """This process's settings (read from the environment on first use)."""
+    return from_env()

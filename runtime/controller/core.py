@@ -1,0 +1,206 @@
+"""The controller: one per process; owns the meshes and the calls in flight.
+
+The user's threads send commands (pipelined, never waiting for an answer) through the backend, which
+runs the workers; replies are received by `Receiver`, input requests served by `StdinService`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import itertools
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from monarch.runtime import backends
+from monarch.runtime.backends.transport import HOLD
+from monarch.runtime.config import Settings, settings
+from monarch.runtime.controller.output import LineLabeller, OutputEvent
+from monarch.runtime.controller.receiving import Receiver
+from monarch.runtime.controller.state import PendingCall, SpawnedMesh
+from monarch.runtime.controller.stdin import StdinService
+from monarch.runtime.errors import WorkerDiedError
+from monarch.runtime.shape import Shape
+
+
+class Controller:
+    """Owns this process's meshes. Get it with `get_controller()`."""
+
+    def __init__(self, config: Settings | None = None) -> None:
+        self.settings = config or settings()
+        self.meshes: dict[int, SpawnedMesh] = {}
+        self.calls: dict[int, PendingCall] = {}
+        self.output: Callable[[OutputEvent], None] = LineLabeller()
+        """Where worker output and displays go; the notebook extension routes them per cell."""
+        self.stdin = StdinService(self)
+        self.listeners: list[Callable[[SpawnedMesh], None]] = []
+        """Called (on any thread) when a mesh's workers change state: busy, idle, failed, stopped."""
+        self._ids = itertools.count(1)
+        self._mesh_ids = itertools.count(0)
+        self._spawn_lock = threading.Lock()
+        self._closed = False
+        self.backend = backends.create(self.settings, self._on_lost)
+        self.receiver = Receiver(self)
+        atexit.register(self.shutdown)
+
+    # -- meshes ------------------------------------------------------------------------------------
+    def spawn(self, sizes: dict[str, int]) -> SpawnedMesh:
+        """Start one worker per point of `sizes`; return when all are ready."""
+        shape = Shape.from_sizes(sizes)
+        with self._spawn_lock:
+            mesh_id = next(self._mesh_ids)
+        labels = [shape.label(c) for c, _ in shape.points()]
+        mesh = SpawnedMesh(self, mesh_id, shape, labels)
+        self.meshes[mesh_id] = mesh
+        try:
+            mesh.info = self.backend.start(mesh_id, shape, labels)
+        except BaseException:
+            self.meshes.pop(mesh_id, None)
+            raise
+        mesh.state = "running"
+        self.changed(mesh)
+        return mesh
+
+    def add_listener(self, fn: Callable[[SpawnedMesh], None]) -> None:
+        """Call `fn(mesh)` (on any thread) whenever a mesh's workers change state."""
+        self.listeners.append(fn)
+
+    def remove_listener(self, fn: Callable[[SpawnedMesh], None]) -> None:
+        if fn in self.listeners:
+            self.listeners.remove(fn)
+
+    def changed(self, mesh: SpawnedMesh) -> None:
+        for fn in list(self.listeners):
+            try:
+                fn(mesh)
+            except Exception:
+                traceback.print_exc(file=sys.__stderr__)
+
+    # -- commands ----------------------------------------------------------------------------------
+    def send(self, mesh: SpawnedMesh, ranks: tuple[int, ...] | None, message: Any, body: list | None = None) -> None:
+        """Send a `protocol` message to `ranks` of `mesh` (None or every rank: all) without waiting."""
+        if ranks is not None and len(ranks) == mesh.size:
+            ranks = None
+        self.backend.send(mesh.mesh_id, ranks, message, body)
+
+    def call(
+        self,
+        mesh: SpawnedMesh,
+        ranks: tuple[int, ...],
+        message_for: Callable[[int], tuple[Any, list | None]],
+        no_stdin: str | None = None,
+        output: Callable[[OutputEvent], None] | None = None,
+    ) -> PendingCall:
+        """Start a call on `ranks`: `message_for(call_id)` gives its message and body. Its future resolves
+        to ``{rank: (ok, body, buffers)}``."""
+        mesh.check_usable()
+        call_id = next(self._ids)
+        pending = PendingCall(call_id, mesh, ranks, concurrent.futures.Future(), no_stdin=no_stdin, output=output)
+        self.calls[call_id] = pending
+        if mesh.failure is not None:  # died between the check and the registration
+            self._fail(pending, mesh.failure)
+        else:
+            message, body = message_for(call_id)
+            self.send(mesh, ranks, message, body)
+        if self.listeners:
+            self.changed(mesh)
+        return pending
+
+    def wait(self, pending: PendingCall, timeout: float | None = None) -> dict:
+        """Wait for a call's replies (this thread receives them; Ctrl-C propagates)."""
+        return self.receiver.wait(pending, timeout)
+
+    def interrupt(self, pending: PendingCall) -> None:
+        """Interrupt `pending` on the workers still busy with it. A worker running another thread's call
+        goes on with it and skips `pending` when it comes."""
+        busy = tuple(r for r in pending.ranks if r not in pending.replies)
+        self.backend.interrupt(pending.mesh.mesh_id, busy, pending.call_id)
+
+    def busy_with_earlier_calls(self, pending: PendingCall) -> set[int]:
+        """Ranks of `pending`'s mesh that have not yet answered a call issued before it (by another thread)."""
+        busy: set[int] = set()
+        for other in list(self.calls.values()):
+            if other is not pending and other.mesh is pending.mesh and other.call_id < pending.call_id:
+                busy.update(r for r in other.ranks if r not in other.replies)
+        return busy
+
+    def busy_ranks(self, mesh: SpawnedMesh) -> set[int]:
+        """Ranks of `mesh` with a call in flight."""
+        return {
+            r for call in list(self.calls.values()) if call.mesh is mesh for r in call.ranks if r not in call.replies
+        }
+
+    def _fail(self, pending: PendingCall, error: BaseException) -> None:
+        self.calls.pop(pending.call_id, None)
+        try:
+            pending.future.set_exception(error)
+        except concurrent.futures.InvalidStateError:
+            pass
+        self.backend.replies.poke()  # wake a caller blocked receiving: its call ended
+        if self.listeners:
+            self.changed(pending.mesh)
+
+    # -- losing and stopping -------------------------------------------------------------------------
+    def _on_lost(self, mesh_id: int, rank: int, cause: str) -> None:
+        """The backend lost a worker of a running mesh: fail the mesh, its calls, stop the rest."""
+        mesh = self.meshes.get(mesh_id)
+        if mesh is None or mesh.state != "running":
+            return  # stopping, or already failed: expected
+        mesh.state = "failed"
+        mesh.failure = WorkerDiedError(rank, mesh.labels[rank], cause, mesh.shape.describe(), mesh.size)
+        self.backend.kill(mesh_id)
+        self._mark_gone(mesh)
+        for pending in list(self.calls.values()):
+            if pending.mesh is mesh:
+                self._fail(pending, mesh.failure)
+        self.changed(mesh)
+        print(f"monarch: {mesh.failure}", file=sys.stderr)
+
+    def _mark_gone(self, mesh: SpawnedMesh) -> None:
+        try:
+            self.backend.mark_gone(mesh.mesh_id)
+        except Exception:  # the store is ours and local: this is not expected, and not fatal
+            traceback.print_exc(file=sys.__stderr__)
+
+    def exit_codes(self, mesh: SpawnedMesh) -> dict[int, int | None]:
+        return self.backend.exit_codes(mesh.mesh_id)
+
+    def stop(self, mesh: SpawnedMesh) -> None:
+        """Stop a mesh's workers: ask them to exit, kill those that do not. Idempotent."""
+        if mesh.state == "stopped":
+            return
+        was_running = mesh.state == "running"
+        mesh.state = "stopping"
+        self.backend.stop(mesh.mesh_id, graceful=was_running)
+        for pending in list(self.calls.values()):
+            if pending.mesh is mesh:
+                self._fail(pending, RuntimeError(f"mesh {mesh.shape.describe()} was stopped during the call"))
+        mesh.state = "stopped"
+        self._mark_gone(mesh)
+        self.meshes.pop(mesh.mesh_id, None)
+        self.changed(mesh)
+
+    def stop_all(self) -> list[SpawnedMesh]:
+        """Stop every mesh; returns those that were stopped."""
+        stopped = [m for m in list(self.meshes.values()) if m.state != "stopped"]
+        for mesh in stopped:
+            self.stop(mesh)
+        return stopped
+
+    def shutdown(self) -> None:
+        """Stop every mesh and close the sockets (runs at interpreter exit)."""
+        if self._closed:
+            return
+        self.stop_all()
+        self._closed = True
+        self.receiver.close()
+        self.backend.close()
+        HOLD.uninstall()
+
+    @property
+    def closed(self) -> bool:
+        """Shut down: a new controller is made on next use."""
+        return self._closed

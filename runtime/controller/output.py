@@ -1,0 +1,57 @@
+"""Workers' output as the controller sees it, and the default place it goes (labelled lines)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+
+@dataclass
+class OutputEvent:
+    """A chunk of a worker's stdout or stderr, or a rich display."""
+
+    call_id: int | None
+    """The call it was written during, or None between calls."""
+    mesh_id: int
+    rank: int
+    label: str
+    """The worker's coordinates, e.g. ``"gpu=3"``."""
+    stream: str
+    """``"stdout"``, ``"stderr"``, or ``"display"`` for a rich display (then `data` holds it)."""
+    text: str
+    data: dict | None = None
+    """A display's mime bundle (``{"text/plain": ..., "image/png": ...}``)."""
+    metadata: dict | None = None
+
+
+class LineLabeller:
+    """Writes worker output to this process's stdout/stderr, each line labelled ``[gpu=3] ...`` (the
+    default sink, and the notebook's arrival-order view)."""
+
+    def __init__(self) -> None:
+        self.at_line_start: dict[tuple[int, int, str], bool] = {}
+
+    def break_line(self) -> None:
+        """End any half-written line (before a prompt), so the prompt starts on its own line."""
+        if not all(self.at_line_start.values()) and sys.stdout is not None:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            self.at_line_start = dict.fromkeys(self.at_line_start, True)
+
+    def __call__(self, ev: OutputEvent) -> None:
+        out = sys.stdout if ev.stream != "stderr" else sys.stderr
+        if out is None:
+            return
+        if ev.stream == "display":  # a rich display: its text form
+            text = (ev.data or {}).get("text/plain", "")
+            ev = OutputEvent(ev.call_id, ev.mesh_id, ev.rank, ev.label, "stdout", text + "\n")
+        key = (ev.mesh_id, ev.rank, ev.stream)
+        prefix = f"[{ev.label}] "
+        parts = []
+        start = self.at_line_start.get(key, True)
+        for line in ev.text.splitlines(keepends=True):
+            parts.append(prefix + line if start else line)
+            start = line.endswith("\n")
+        self.at_line_start[key] = start
+        out.write("".join(parts))
+        out.flush()

@@ -1,0 +1,237 @@
+"""Receiving what workers send: replies, output, displays, input requests.
+
+A caller waiting for a call receives on its own thread (no hand-off from another thread: a wake-up
+costs tens of µs), polling briefly while replies are coming and sleeping in a blocking receive
+otherwise. When nobody waits, a background thread drains the socket, so that output of calls nobody
+waits for (`--noblock`) still arrives. Each message goes to a handler by its type.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import select
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+from monarch.runtime import protocol
+from monarch.runtime.backends.transport import DROPPED, HOLD, MAIN, POKE
+from monarch.runtime.controller.output import OutputEvent
+from monarch.runtime.controller.stdin import InputRequest
+
+RX_HANDBACK = 0.01
+"""Seconds after a waiting caller returns before the background thread receives again (output that
+arrives between calls, e.g. from a non-blocking call, is delayed at most this long)."""
+
+
+class Receiver:
+    def __init__(self, controller: Any) -> None:
+        self.controller = controller
+        self.replies = controller.backend.replies
+        self.spin = controller.settings.spin
+        self._rx_lock = threading.RLock()  # held by the one thread that receives (an RLock: see wait())
+        self._rx_count_lock = threading.Lock()
+        self._rx_waiters = 0  # callers receiving for themselves in wait()
+        self._main_receiving = False
+        self.polls = 0
+        """How many times a waiting caller polled for replies before sleeping (for tests: polling happens
+        only while replies are coming)."""
+        self._handlers = {
+            protocol.Reply: self._on_reply,
+            protocol.Output: self._on_output,
+            protocol.Display: self._on_display,
+            protocol.AskInput: self._on_input,
+        }
+        self._closed = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._io = threading.Thread(target=self._io_loop, name="monarch-io", daemon=True)
+        self._io.start()
+
+    # -- waiting for a call ------------------------------------------------------------------------
+    def wait(self, pending: Any, timeout: float | None = None) -> dict:
+        """Wait for a call's replies, receiving them on this thread; serve input requests meanwhile."""
+        fut = pending.future
+        deadline = None if timeout is None else time.monotonic() + timeout
+        spin = bool(self.spin)  # poll first; after a quiet stretch, just sleep
+        counted = False
+        HOLD.install()  # (over Python's default handler only) Ctrl-C is held while a reply is handled
+        stdin = self.controller.stdin
+        try:
+            with self._rx_count_lock:
+                self._rx_waiters += 1
+                counted = True  # no call between these two lines: Ctrl-C cannot fall between them
+            while not fut.done():
+                if stdin.queue and stdin.serve(self):
+                    continue
+                left = 0.02 if deadline is None else min(0.02, deadline - time.monotonic())
+                if left <= 0:
+                    break
+                if not self._rx_lock.acquire(blocking=False):
+                    # another caller receives, our replies included: wait for our call, and look again
+                    # soon in case that caller is done before we are
+                    concurrent.futures.wait([fut], timeout=min(left, 0.002))
+                    continue
+                try:
+                    spin = self._receive_until(fut, left, spin) and bool(self.spin)
+                finally:
+                    self._rx_lock.release()
+        finally:
+            if self._rx_lock._is_owned():  # Ctrl-C right after acquire(), before its try: still ours
+                self._rx_lock.release()
+            if counted:
+                with self._rx_count_lock:
+                    self._rx_waiters -= 1  # the background thread receives again within RX_HANDBACK
+        return fut.result(0)
+
+    @contextlib.contextmanager
+    def standing_aside(self) -> Iterator[None]:
+        """While a waiting caller serves a prompt, the background thread receives (other ranks' output)."""
+        with self._rx_count_lock:
+            self._rx_waiters -= 1
+        self.wake()
+        try:
+            yield
+        finally:
+            with self._rx_count_lock:
+                self._rx_waiters += 1
+
+    def _receive_until(self, fut: concurrent.futures.Future, timeout: float, spin: bool) -> bool:
+        """Handle replies as they come until `fut` is done, `timeout` passes with nothing received, or a
+        worker asks for input (the caller serves it). With `spin`, poll for `spin` seconds before each
+        sleep. False when the time ran out.
+
+        On the main thread Ctrl-C is held while a message is handled (one landing between taking a
+        reply off the socket and recording it would lose the reply), and raised right after."""
+        held = threading.get_ident() == MAIN and HOLD.enter()
+        try:
+            return self._receive_messages(fut, timeout, spin)
+        finally:
+            if held:
+                HOLD.leave()
+
+    def _receive_messages(self, fut: concurrent.futures.Future, timeout: float, spin: bool) -> bool:
+        replies = self.replies
+        replies.set_timeout(max(1, int(timeout * 1000)))
+        while not fut.done() and not HOLD.pending:
+            got = None
+            if spin:
+                self.polls += 1
+                got = replies.poll_briefly(self.spin)
+            if got is None:
+                got = replies.recv(True)
+                if got is None:
+                    return False
+            if got is POKE or got is DROPPED:  # a poke: look at our call again
+                continue
+            spin = bool(self.spin)  # replies come in bursts: poll for the next one
+            if self.handle(got):
+                return True
+        return True
+
+    # -- the background thread ---------------------------------------------------------------------
+    def _drain(self) -> None:
+        """Handle everything received so far (also re-arms the socket's notification fd)."""
+        while True:
+            got = self.replies.recv(False)
+            if got is None:
+                return
+            if got is not POKE and got is not DROPPED:  # (a poke for a waiting caller that already left)
+                self.handle(got)
+
+    def _io_loop(self) -> None:
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        reply_fd = self.replies.reply_fd
+        watching = False
+        while not self._closed:
+            try:
+                # While a caller in wait() receives for itself, leave it the socket.
+                mine = self._rx_waiters == 0 and self._rx_lock.acquire(blocking=False)
+                if mine:
+                    try:
+                        self._drain()  # until empty, so the socket's notification fd is re-armed
+                    finally:
+                        self._rx_lock.release()
+                if mine != watching:
+                    poller.register(reply_fd, select.POLLIN) if mine else poller.unregister(reply_fd)
+                    watching = mine
+                # Not receiving: a caller in wait() is. It does not wake us when it returns (that would
+                # cost a wake-up per call); we look again after RX_HANDBACK instead.
+                for fd, _ in poller.poll(None if mine else RX_HANDBACK * 1000):
+                    if fd == self._wake_r:
+                        os.read(self._wake_r, 4096)
+            except Exception:
+                if self._closed:
+                    return
+                print("monarch: internal error in the receiving thread:", file=sys.__stderr__)
+                traceback.print_exc(file=sys.__stderr__)
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"w")
+        except BlockingIOError:
+            pass  # already full of wake-ups
+
+    def close(self) -> None:
+        self._closed = True
+        self.wake()
+        self._io.join(2)
+
+    # -- handlers ----------------------------------------------------------------------------------
+    def handle(self, env: Any) -> bool:
+        """Act on one message; True if it asks for input (a waiting caller should serve it)."""
+        handler = self._handlers.get(type(env.message))
+        if handler is None:
+            self.replies.log("a message", f"{type(env.message).__name__} is not something workers send up")
+            return False
+        return handler(env) is True
+
+    def _on_reply(self, env: Any) -> None:
+        msg = env.message
+        c = self.controller
+        pending = c.calls.get(msg.call_id)
+        if pending is None or pending.mesh.mesh_id != env.mesh_id:
+            return  # its caller already gave up on it
+        pending.replies[env.rank] = (msg.ok, env.body, env.buffers)
+        if len(pending.replies) == len(pending.ranks):
+            c.calls.pop(msg.call_id, None)
+            if not pending.future.done():
+                pending.future.set_result(pending.replies)
+            if c.listeners:
+                c.changed(pending.mesh)
+
+    def _event(self, env: Any, stream: str, text: str, data=None, metadata=None) -> None:
+        c = self.controller
+        mesh = c.meshes.get(env.mesh_id)
+        label = mesh.labels[env.rank] if mesh is not None else f"rank={env.rank}"
+        call_id = env.message.call_id
+        pending = c.calls.get(call_id) if call_id is not None else None
+        sink = pending.output if pending is not None and pending.output is not None else c.output
+        try:
+            sink(OutputEvent(call_id, env.mesh_id, env.rank, label, stream, text, data, metadata))
+        except Exception:
+            traceback.print_exc(file=sys.__stderr__)
+
+    def _on_output(self, env: Any) -> None:
+        self._event(env, env.message.stream, env.message.text)
+
+    def _on_display(self, env: Any) -> None:
+        self._event(env, "display", "", env.message.data, env.message.metadata)
+
+    def _on_input(self, env: Any) -> bool:
+        msg = env.message
+        mesh = self.controller.meshes.get(env.mesh_id)
+        if mesh is None:
+            return False
+        self.controller.stdin.on_request(
+            InputRequest(
+                mesh, env.rank, mesh.labels[env.rank], msg.call_id, msg.req_id, msg.prompt, msg.password, msg.debugger
+            )
+        )
+        return True

@@ -1,0 +1,64 @@
+"""What the controller keeps per spawned mesh and per call in flight."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from monarch.runtime.controller.output import OutputEvent
+from monarch.runtime.errors import WorkerDiedError
+from monarch.runtime.shape import Shape
+
+
+@dataclass
+class SpawnedMesh:
+    """The workers of one spawned mesh; every view of it refers to this."""
+
+    controller: Any
+    mesh_id: int
+    shape: Shape
+    labels: list[str]
+    info: list[dict] = field(default_factory=list)
+    """Per rank: ``{"pid", "host", "device"}``."""
+    state: str = "starting"
+    """starting, running, failed, stopping or stopped."""
+    failure: WorkerDiedError | None = None
+    fns: dict[bytes, tuple[int, set[int]]] = field(default_factory=dict)
+    """Pickled function -> (function id, ranks that have it)."""
+    order_lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held from deciding what the workers lack (a function, a group) until the message that brings it
+    is sent, so that no message relying on it, from another thread, overtakes it."""
+    groups: dict[tuple, int] = field(default_factory=dict)
+    """Rank partition -> group id."""
+    engine: Any = None
+    """The tensor engine's controller half, once `activate()` was used."""
+
+    @property
+    def size(self) -> int:
+        return len(self.shape)
+
+    def check_usable(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+        if self.state != "running":
+            raise RuntimeError(f"mesh {self.shape.describe()} is {self.state}; spawn a new one (mesh.respawn())")
+
+
+Reply = tuple[bool, Any, list]
+"""``(ok, body, buffers)``: one worker's answer to a call, not yet unpickled."""
+
+
+@dataclass
+class PendingCall:
+    call_id: int
+    mesh: SpawnedMesh
+    ranks: tuple[int, ...]
+    future: concurrent.futures.Future
+    replies: dict[int, Reply] = field(default_factory=dict)
+    no_stdin: str | None = None
+    """Why this call cannot be given input (workers asking get an error saying so), or None."""
+    output: Callable[[OutputEvent], None] | None = None
+    """Where this call's output goes, instead of the controller's `output`."""

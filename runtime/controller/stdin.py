@@ -1,0 +1,122 @@
+"""Serving workers' input requests (`input()`, pdb prompts) on the controller, one rank at a time."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from monarch.runtime import protocol
+
+
+@dataclass
+class InputRequest:
+    """A worker waiting for a line of input (`input()`, `sys.stdin`, or its pdb prompt)."""
+
+    mesh: Any
+    """The `SpawnedMesh` it belongs to."""
+    rank: int
+    label: str
+    call_id: int | None
+    req_id: int
+    prompt: str
+    password: bool
+    debugger: bool
+    """Asked by pdb: the same rank's next prompt is served before other ranks'."""
+
+
+RESUME_COMMANDS = frozenset({"c", "cont", "continue", "q", "quit", "exit"})
+OWNER_GRACE = 1.0
+"""Seconds a debugged rank keeps the prompt after a command, before other paused ranks are served."""
+
+
+def terminal_input(req: InputRequest) -> str:
+    """The default answerer: this process's terminal."""
+    return input(f"[{req.label}] {req.prompt}")
+
+
+class StdinService:
+    """The controller's part that answers input requests: queued by the receiving thread, served by a
+    thread waiting for a call (so a prompt appears where the user waits)."""
+
+    def __init__(self, controller: Any) -> None:
+        self.controller = controller
+        self.prompt: Callable[[InputRequest], str] = terminal_input
+        """Answers one request (the notebook extension puts the notebook's stdin here)."""
+        self.queue: collections.deque[InputRequest] = collections.deque()
+        self._lock = threading.Lock()  # held by the thread serving a prompt
+        self._owner: tuple[int, int] | None = None
+        self._owner_since = 0.0
+
+    def waiting(self) -> list[InputRequest]:
+        """Requests not yet served (e.g. other ranks paused in pdb)."""
+        return list(self.queue)
+
+    def on_request(self, req: InputRequest) -> None:
+        """A worker asked (receiving thread): queue it, or answer at once that no input will come."""
+        pending = self.controller.calls.get(req.call_id) if req.call_id is not None else None
+        reason = "the call it belongs to is over" if pending is None else pending.no_stdin
+        if reason is not None:
+            self.answer(req, False, f"input() / pdb on rank {req.rank} ({req.label}) has no stdin: {reason}")
+        else:
+            self.queue.append(req)
+
+    def answer(self, req: InputRequest, ok: bool, text: str) -> None:
+        if req.mesh.state == "running":
+            self.controller.send(req.mesh, (req.rank,), protocol.StdinReply(req.req_id, ok, text))
+
+    def _next_request(self) -> InputRequest | None:
+        """The next request to serve: the rank being debugged keeps the prompt for a moment."""
+        queue = self.queue
+        owner = self._owner
+        if owner is not None:
+            for req in queue:
+                if (req.mesh.mesh_id, req.rank) == owner:
+                    queue.remove(req)
+                    return req
+            if time.monotonic() - self._owner_since < OWNER_GRACE:
+                return None
+            self._owner = None
+        return queue.popleft() if queue else None
+
+    def serve(self, receiver: Any) -> bool:
+        """Answer one waiting request with `self.prompt`; False if none is ready.
+
+        Called by threads waiting for calls. A `KeyboardInterrupt` in the answerer propagates (the caller
+        interrupts the workers); other errors go back to the worker as its error.
+        """
+        if not self._lock.acquire(blocking=False):
+            return False  # another waiting thread is serving a prompt: one prompt at a time
+        try:
+            req = self._next_request()
+            if req is None:
+                return False
+            with receiver.standing_aside():  # the I/O thread receives other ranks' output meanwhile
+                text = self._ask(req)
+            if text is None:
+                return True
+            resumed = not req.debugger or text.strip().split(" ")[0] in RESUME_COMMANDS
+            self._owner = None if resumed else (req.mesh.mesh_id, req.rank)
+            self._owner_since = time.monotonic()
+            self.answer(req, True, text)
+            return True
+        finally:
+            self._lock.release()
+
+    def _ask(self, req: InputRequest) -> str | None:
+        try:
+            break_line = getattr(self.controller.output, "break_line", None)
+            if break_line is not None:
+                break_line()
+            return self.prompt(req)
+        except KeyboardInterrupt:
+            self._owner = None
+            raise
+        except Exception as e:
+            self._owner = None
+            what = f"input() / pdb on rank {req.rank} ({req.label})"
+            self.answer(req, False, f"{what} got no answer: {type(e).__name__}: {e}")
+            return None

@@ -1,0 +1,395 @@
+"""What controller and workers say to each other: one dataclass per message and per tensor command.
+
+Messages travel as the header of a signed envelope (see `backends/transport.py`); a message's bulky
+payload (a function's arguments, a result, a batch of tensor commands) travels as its body, pickled
+apart with large buffers out of band. Who sent a message (mesh and rank) is part of the envelope, not of
+the message. Receivers dispatch on the message's type through a handler table, never by position.
+
+On the wire a message is the tuple ``(tag, *fields)`` (`pack` / `unpack`): pickling a tuple costs a
+fraction of pickling an instance, and ops are sent tens of thousands of times a second. Nothing here
+imports torch, zmq or the rest of the runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from operator import attrgetter
+from typing import Any
+
+_TYPES: list[type] = []
+"""Every message type, by tag (its index): the wire carries ``(tag, *fields)``."""
+
+
+def message(cls):
+    """A slotted dataclass registered for `pack` / `unpack`."""
+    cls = dataclass(slots=True)(cls)
+    names = tuple(f.name for f in fields(cls))
+    cls._tag = len(_TYPES)
+    cls._values = staticmethod(
+        attrgetter(*names) if len(names) > 1 else lambda m, n=names: tuple(getattr(m, x) for x in n)
+    )
+    cls._arity = len(names)
+    _TYPES.append(cls)
+    return cls
+
+
+def pack(msg: Any) -> tuple:
+    """`msg` as the tuple that travels: ``(tag, *fields)`` (tuples pickle ~20x faster than instances)."""
+    return (msg._tag, *msg._values(msg))
+
+
+def unpack(t: Any) -> Any:
+    """The message a `pack` tuple stands for; ValueError for anything else."""
+    if type(t) is not tuple or not t or type(t[0]) is not int or not 0 <= t[0] < len(_TYPES):
+        raise ValueError(f"not a message: {type(t).__name__}")
+    cls = _TYPES[t[0]]
+    if len(t) != cls._arity + 1:
+        raise ValueError(f"{cls.__name__} has {cls._arity} fields, got {len(t) - 1}")
+    return cls(*t[1:])
+
+
+def pack_commands(cmds: list) -> list:
+    """A batch of tensor commands for the wire (`OnStream` holds a command: packed too)."""
+    out = []
+    for c in cmds:
+        if type(c) is OnStream:
+            out.append((c._tag, c.stream_id, pack(c.cmd)))
+        else:
+            out.append((c._tag, *c._values(c)))
+    return out
+
+
+def unpack_commands(items: list) -> list:
+    out = []
+    for t in items:
+        c = unpack(t)
+        if type(c) is OnStream:
+            c.cmd = unpack(c.cmd)
+        out.append(c)
+    return out
+
+
+# -- controller -> worker ---------------------------------------------------------------------------
+@message
+class Call:
+    """Run a live function on the addressed workers; its arguments are the body."""
+
+    call_id: int
+    fid: int
+    """The function's id in this mesh; `fn` brings it the first time a worker needs it."""
+    view: tuple
+    """``(names, sizes, ranks)`` of the mesh view it was called on (the worker's coordinates in it)."""
+    fn: bytes | None = None
+    """The pickled function, when a worker does not have it yet."""
+    sources: dict | None = None
+    """``{filename: lines}`` of by-value code, so worker tracebacks show its source."""
+
+
+@message
+class MakeGroups:
+    """Create (collectively, on every worker of the mesh) the process groups of one rank partition."""
+
+    gid: int
+    partition: tuple
+    """Tuples of global ranks, one per group."""
+
+
+@message
+class RunOps:
+    """A batch of tensor commands (the body: a list of the commands below), run in order."""
+
+
+@message
+class StdinReply:
+    """The answer to a worker's `AskInput`."""
+
+    req_id: int
+    ok: bool
+    text: str
+    """The line typed; or, when not `ok`, why there is none (``"interrupted"`` for Ctrl-C)."""
+
+
+@message
+class Exit:
+    """Stop serving and exit."""
+
+
+# -- worker -> controller, on the command connection (start-up) --------------------------------------
+@message
+class Ready:
+    """The worker is up: connected, in its process group, serving commands."""
+
+    info: dict
+    """``{"pid", "host", "device"}``."""
+
+
+@message
+class StartFailed:
+    traceback: str
+
+
+# -- worker -> controller, on the reply connection --------------------------------------------------
+@message
+class Reply:
+    """A call's result (`ok`) or error ``(type name, message, traceback)``; the body holds it."""
+
+    call_id: int
+    ok: bool
+
+
+@message
+class Output:
+    """Text a worker wrote to stdout or stderr (Python or C level)."""
+
+    call_id: int | None
+    """The call it was written during; None between calls."""
+    stream: str
+    text: str
+
+
+@message
+class Display:
+    """A rich display made on a worker (`display(...)`, a matplotlib figure)."""
+
+    call_id: int | None
+    data: dict
+    metadata: dict
+
+
+@message
+class AskInput:
+    """A worker waits for a line of input (`input()`, `sys.stdin`, or its pdb prompt)."""
+
+    call_id: int | None
+    req_id: int
+    prompt: str
+    password: bool
+    debugger: bool
+
+
+# -- the rendezvous store: worker -> controller, and its answer --------------------------------------
+@message
+class StoreSet:
+    key: str
+    value: bytes
+
+
+@message
+class StoreGet:
+    """The value of `key`, waiting for it to be set (up to `timeout` seconds)."""
+
+    key: str
+    timeout: float
+
+
+@message
+class StoreAdd:
+    key: str
+    amount: int
+
+
+@message
+class StoreCompareSet:
+    key: str
+    expected: bytes
+    desired: bytes
+
+
+@message
+class StoreWait:
+    keys: tuple
+    timeout: float
+
+
+@message
+class StoreCheck:
+    keys: tuple
+
+
+@message
+class StoreDelete:
+    key: str
+
+
+@message
+class StoreNumKeys:
+    pass
+
+
+@message
+class StoreAnswer:
+    request: int
+    """The sequence number of the request it answers (a late answer to an abandoned request is ignored)."""
+    ok: bool
+    value: Any
+    """The result; or, when not `ok`, the error's text."""
+
+
+# -- tensor commands (the body of `RunOps`) ---------------------------------------------------------
+class Ref:
+    """A tensor in a worker's table, by id (inside an op's arguments; pickles as its id)."""
+
+    __slots__ = ("id",)
+
+    def __init__(self, id: int):
+        self.id = id
+
+    def __reduce__(self):
+        return Ref, (self.id,)
+
+
+@message
+class Op:
+    """Run torch op `name` (``"aten::add.Tensor"``) and keep its results under the ids in `out`."""
+
+    name: str
+    args: tuple
+    kwargs: dict
+    out: Any
+    """An id, None, or a (nested) list of ids matching the op's results."""
+    where: str
+    """The controller line that issued it (named in errors)."""
+
+
+@message
+class Reduce:
+    """A collective over process group `gid`: ``src`` reduced into ``out`` (the same id: in place)."""
+
+    src: int
+    out: int
+    gid: int
+    size: int
+    reduction: str
+    scatter: bool
+    shape: tuple
+    dtype: Any
+    device_type: str
+    where: str
+
+
+@message
+class MoveWithin:
+    """`to_mesh` between views of one spawned mesh: rank s sends `src` to rank d for each (s, d)."""
+
+    src: int
+    out: int
+    pairs: list
+    shape: tuple
+    dtype: Any
+    device_type: str
+    where: str
+
+
+@message
+class SendTo:
+    """This mesh's half of a move to another spawned mesh, over two-worker links ``(s, d, name)``."""
+
+    src: int
+    links: list
+    shape: tuple
+    dtype: Any
+    where: str
+    peer_mesh: int
+
+
+@message
+class RecvFrom:
+    """The receiving mesh's half of a move between spawned meshes."""
+
+    out: int
+    links: list
+    shape: tuple
+    dtype: Any
+    device_type: str
+    where: str
+    peer_mesh: int
+
+
+@message
+class Alias:
+    """`t.data = other`: id `ref` now names the tensor of id `target`."""
+
+    ref: int
+    target: int
+
+
+@message
+class Free:
+    refs: list
+
+
+@message
+class Seed:
+    """`torch.manual_seed` on the workers."""
+
+    seed: int
+
+
+@message
+class FailResults:
+    """An op the controller could not send: its results hold this error."""
+
+    out: Any
+    exc_type: str
+    message: str
+    where: str
+
+
+@message
+class OnStream:
+    """Run `cmd` on stream `stream_id` (after what that stream already queued)."""
+
+    stream_id: int
+    cmd: Any
+
+
+@message
+class BorrowStart:
+    """Lend tensor `src` of stream `from_stream` to `to_stream` as id `alias`, after `from_stream`'s ops so far."""
+
+    borrow_id: int
+    from_stream: int
+    to_stream: int
+    src: int
+    alias: int
+
+
+@message
+class BorrowEnd:
+    """End a borrow: `from_stream` waits for the borrower's ops, then `alias` is forgotten."""
+
+    borrow_id: int
+    from_stream: int
+    to_stream: int
+    alias: int
+
+
+# -- starting a worker ------------------------------------------------------------------------------
+@dataclass
+class WorkerStart:
+    """Everything a worker needs to start; handed over privately (the fork server's pipe), with its keys."""
+
+    keys: Any
+    """`backends.transport.WorkerKeys`: mesh id, rank, HMAC key, addresses."""
+    coords: dict
+    """Coordinates in the spawned mesh."""
+    sizes: dict
+    """Sizes of the spawned mesh."""
+    local_rank: int
+    """Index among this host's workers (picks the GPU)."""
+    label: str
+    """The coordinates as text (``"host=0,gpu=3"``)."""
+    interrupt_path: str
+    """A file of int64 slots, one per rank: the call the controller's next SIGINT is meant for."""
+    env: dict
+    """Environment to run with (the controller's, plus rank variables)."""
+    cwd: str
+    sys_path: list
+    threads: int
+    """torch intra-op threads."""
+    parent_pid: int | None
+    """The process that forked us (the fork server); the worker dies with it."""
+    controller_pid: int
+    """The controller's process; the worker exits the moment it is gone."""
+    group_timeout: float
+    """Seconds collectives and the store wait."""

@@ -1,0 +1,50 @@
+"""`with mesh.activate():` — the modes that turn torch ops on the controller into commands."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from monarch.runtime.tensor import patches
+from monarch.runtime.tensor.engine import engine_for, flush
+from monarch.runtime.tensor.handles import run
+
+capturing: contextvars.ContextVar[Any] = contextvars.ContextVar("monarch_capturing", default=None)
+"""The mesh view whose `activate()` is innermost on this thread, if any."""
+
+__all__ = ["activate", "capturing", "flush"]
+
+
+class _Capture(TorchDispatchMode):
+    """While active, every torch op runs on the workers of `mesh` and returns handles."""
+
+    def __init__(self, mesh) -> None:
+        super().__init__()
+        self.mesh = mesh
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "profiler":  # record_function markers (e.g. in optimizer.step()): the controller's
+            with torch.utils._python_dispatch._disable_current_modes():
+                return func(*args, **(kwargs or {}))
+        return run(self.mesh, func, args, kwargs or {})
+
+
+@contextlib.contextmanager
+def activate(mesh) -> Iterator[None]:
+    """The capture modes for `mesh` (entered by `mesh.activate()`)."""
+    engine = engine_for(mesh._spawned)
+    patches.install(capturing)
+    token = capturing.set(mesh)
+    try:
+        with contextlib.ExitStack() as stack:
+            if engine.cpu_only:
+                stack.enter_context(patches.CudaMeansCpu())
+            stack.enter_context(_Capture(mesh))
+            yield
+    finally:
+        capturing.reset(token)

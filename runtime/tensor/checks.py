@@ -1,0 +1,129 @@
+"""The rules a handle must follow, checked on the controller before anything is sent: the mesh it is
+used on, the stream it belongs to and its borrows; and the user's line that issued an op (named in
+errors raised later, on a worker)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any
+
+import torch
+
+from monarch.runtime.tensor.streams import Stream
+
+_RUNTIME = os.path.dirname(os.path.dirname(__file__))
+_TORCH = os.path.dirname(torch.__file__)
+_rejected = threading.local()
+
+
+def rejected() -> TypeError | None:
+    """The TypeError `reject` made last on this thread (torch turns TypeErrors in operators into
+    NotImplemented; the handle's operators raise it again)."""
+    return getattr(_rejected, "err", None)
+
+
+def clear_rejected() -> None:
+    _rejected.err = None
+
+
+def reject(message: str) -> TypeError:
+    """A TypeError for illegal use; remembered, because torch turns TypeErrors in operators into NotImplemented."""
+    err = TypeError(message)
+    _rejected.err = err
+    return err
+
+
+def where() -> str:
+    """The user's line that issued an op: the first frame outside torch and monarch (a notebook cell is
+    named as IPython names it, `Cell In[5], line 2`). On a thread that issues ops for a user's line (the
+    backward pass of grad_generator), that line."""
+    f = sys._getframe(2)
+    while f is not None and (f.f_code.co_filename.startswith(_NOT_USERS) or "contextlib" in f.f_code.co_filename):
+        f = f.f_back
+    if f is None:
+        return getattr(issuer, "where", "?")
+    filename, func = f.f_code.co_filename, f.f_code.co_name
+    cell = cell_name(filename) if "ipykernel_" in filename else None
+    if cell is not None:
+        return f"{cell}, line {f.f_lineno}" + ("" if func == "<module>" else f" in {func}")
+    return f"{filename}:{f.f_lineno} in {func}"
+
+
+_NOT_USERS = (_RUNTIME, _TORCH, threading.__file__)
+issuer = threading.local()
+"""`.where`: set on threads whose ops are issued on behalf of one user line."""
+
+
+def cell_name(filename: str) -> str | None:
+    """`Cell In[5]` for the file IPython compiled cell 5 into, else None."""
+    ip = sys.modules.get("IPython")
+    shell = ip.get_ipython() if ip is not None else None
+    number = getattr(getattr(shell, "compile", None), "_filename_map", {}).get(filename)
+    return None if number is None else f"Cell In[{number}]"
+
+
+def check_same_mesh(what: Any, t: Any, mesh) -> None:
+    """`t` used inside `mesh.activate()`: it must be on that mesh (the same workers of one spawned mesh)."""
+    if t._mesh is not mesh and (t._mesh._spawned is not mesh._spawned or t._mesh._shape.ranks != mesh._shape.ranks):
+        raise reject(
+            f"{what}: a tensor on mesh {name_view(t._mesh, mesh)} used inside {name_view(mesh, t._mesh)}"
+            ".activate(); a tensor is used only on the mesh that made it (move it there with t.to_mesh(that_mesh))"
+        )
+
+
+def name_view(view, other) -> str:
+    """A mesh view's shape, and what tells it from `other` where the shapes read the same: its ranks
+    (two slices of one mesh), or its spawn number (two spawned meshes)."""
+    text = view._shape.describe()
+    if text == other._shape.describe():
+        if view._spawned is not other._spawned:
+            return f"{text} (spawned mesh #{view._spawned.mesh_id})"
+        ranks = view._shape.ranks
+        if list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+            return f"{text} (ranks {ranks[0]}-{ranks[-1]})"
+        return f"{text} (ranks {', '.join(map(str, ranks))})"
+    return text
+
+
+def check_alive(what, spawned) -> None:
+    if spawned.failure is not None:
+        raise spawned.failure
+    raise reject(
+        f"{what}: mesh {spawned.shape.describe()} is {spawned.state}, and its tensors went with its workers; "
+        "make new tensors on a running mesh (mesh.respawn() starts one of the same shape)"
+    )
+
+
+def check_stream(func, x: Any, stream: Stream, mutating: bool = False) -> None:
+    """The borrow rules; a TypeError that says which rule and where the borrow was made."""
+    what = str(func)
+    root = x._root if x._root is not None else x
+    b = root._borrow
+    if b is not None and b.dropped:
+        raise reject(
+            f"{what}: a borrowed tensor used after its borrow was dropped (borrowed at {b.where}, dropped at "
+            f"{b.dropped_at}); use the original tensor on stream {b.from_stream.name!r} instead"
+        )
+    if b is not None and mutating and not b.mutable:
+        raise reject(
+            f"{what}: this tensor is {b.describe()}, so it may not be changed there "
+            "(borrow with mutable=True to change it on the borrowing stream)"
+        )
+    if x._stream is not stream:
+        raise reject(
+            f"{what}: a tensor of stream {x._stream.name!r} used on stream {stream.name!r}; a stream uses only its "
+            f"own tensors: lend it with {stream.name}.borrow(t) (see monarch.Stream.borrow)"
+        )
+    for lent in root._lent:
+        if lent.mutable:
+            raise reject(
+                f"{what}: this tensor is {lent.describe()}; its stream {x._stream.name!r} may use it again only "
+                "after borrow.drop()"
+            )
+        if mutating:
+            raise reject(
+                f"{what}: this tensor is {lent.describe()}, so it may not be changed until borrow.drop() "
+                "(borrow with mutable=True to change it on the borrowing stream)"
+            )

@@ -1,0 +1,73 @@
+"""A worker process's entry point. Light to import: the local backend names it as the process target."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+
+
+def run(cfg: Any) -> None:
+    """Start serving as the worker `cfg` (a `protocol.WorkerStart`) describes."""
+    _die_with_parent(cfg.parent_pid)
+    _exit_with_controller(cfg.controller_pid)
+    os.setsid()  # terminal Ctrl-C goes to the controller, which forwards interrupts
+    os.environ.update(cfg.env)
+    os.chdir(cfg.cwd)
+    sys.path[:] = cfg.sys_path
+    from monarch.runtime.worker.worker import Worker
+
+    Worker(cfg).run()
+
+
+def _die_with_parent(parent: int | None) -> None:
+    # multiprocessing hands every forked child the fork server's "alive" pipe, which keeps the fork
+    # server up while any child lives. Drop it: the fork server must exit with the controller, and
+    # we with the fork server.
+    from multiprocessing import forkserver
+
+    fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        forkserver._forkserver._forkserver_alive_fd = None
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)  # the fork server (and so the controller) died before we could watch it
+
+
+def _exit_with_controller(pid: int) -> None:
+    """Exit the moment the controller process is gone (even killed with SIGKILL, even while this
+    worker is busy in C code): a thread waits on a pidfd of the controller."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(1)
+    except (AttributeError, OSError):  # no pidfd (Linux < 5.3): look every 0.2 s
+        fd = None
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while True:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="monarch-controller-watch", daemon=True).start()

@@ -1,0 +1,264 @@
+"""The worker process: one per mesh point. Serves the controller's messages through a handler table.
+
+The fork server imports this module (and so torch) once; a worker forked from it is ready in
+milliseconds. `main.run` is the process entry point.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import itertools
+import linecache
+import mmap
+import os
+import signal
+import socket
+import struct
+import sys
+import traceback
+from typing import Any
+
+import cloudpickle
+import torch
+
+from monarch.runtime import context, protocol, wire
+from monarch.runtime.backends.store import store_client
+from monarch.runtime.backends.transport import WorkerTransport
+from monarch.runtime.shape import Shape
+from monarch.runtime.worker import groups, stdin
+from monarch.runtime.worker.engine import commands as engine
+from monarch.runtime.worker.output import Output
+
+current: Worker | None = None
+"""This process's worker (code running on it can send output and ask for input through it)."""
+
+
+class Worker:
+    def __init__(self, cfg: protocol.WorkerStart):
+        self.cfg = cfg
+        self.rank: int = cfg.keys.rank
+        self.mesh_id: int = cfg.keys.mesh_id
+        self.transport = WorkerTransport(cfg.keys)
+        self.call_id: int | None = None
+        self.in_user_code = False
+        self.fns: dict[int, Any] = {}
+        self.views: dict[tuple, context.CallView] = {}
+        """This worker's coordinates in each mesh view it was called on."""
+        self.output = Output(self)
+        self.backlog: collections.deque[wire.Envelope] = collections.deque()
+        """Commands that arrived while user code waited for stdin; served next."""
+        self._input_ids = itertools.count(1)
+        self.in_debugger = False
+        """True while a pdb prompt on this worker is reading commands."""
+        with open(cfg.interrupt_path, "rb") as f:
+            self.targets = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.cancelled: set[int] = set()
+        """Calls interrupted before they started here (this worker was busy with another call)."""
+        self.handlers = {
+            protocol.Call: self._call,
+            protocol.MakeGroups: self._make_groups,
+            protocol.RunOps: self._run_ops,
+            protocol.StdinReply: self._late_stdin,
+        }
+        signal.signal(signal.SIGINT, self._on_sigint)
+        global current
+        current = self
+        stdin.install(self)
+
+    def _on_sigint(self, signum, frame) -> None:
+        (target,) = struct.unpack_from("<q", self.targets, 8 * self.rank)
+        if target == self.call_id and self.in_user_code:
+            raise KeyboardInterrupt
+        if target > 0:  # a call not started yet (perhaps queued behind another thread's): skip it
+            if len(self.cancelled) > 1024:  # ids of calls that had finished as they were interrupted
+                self.cancelled = set(sorted(self.cancelled)[512:])
+            self.cancelled.add(target)
+
+    def send(self, message: Any, body: list | None = None) -> None:
+        """Send a message to the controller (any thread)."""
+        self.transport.send(message, body)
+
+    # -- start-up ----------------------------------------------------------------------------------
+    def _start(self) -> None:
+        cfg = self.cfg
+        torch.set_num_threads(cfg.threads)
+        torch.seed()  # forked workers share the fork server's RNG state; give each its own, as a fresh process has
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if gpus and local_workers <= gpus:
+            device = torch.device("cuda", cfg.local_rank)
+            torch.cuda.set_device(device)
+            backend = "cpu:gloo,cuda:nccl"
+        else:
+            device = torch.device("cpu")
+            backend = "gloo"
+            if gpus and cfg.local_rank == 0:  # NCCL refuses two ranks on one GPU; every worker decides alike
+                print(
+                    f"monarch: {local_workers} workers on this host but {gpus} GPUs: the workers use the CPU "
+                    f"(spawn at most {gpus} per host to give each its own GPU)",
+                    file=sys.stderr,
+                )
+        context.worker = context.WorkerInfo(self.rank, cfg.coords, cfg.sizes, cfg.local_rank, device)
+        context.view = context.CallView(dict(cfg.coords), dict(cfg.sizes))
+        store = store_client(self.transport, datetime.timedelta(seconds=cfg.group_timeout))
+        groups.current = groups.Groups(store, self.mesh_id, self.rank, cfg.sizes, cfg.group_timeout, backend)
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "device": str(device)}
+        self.transport.hello(protocol.Ready(info))
+
+    def run(self) -> None:
+        try:
+            self._start()
+        except BaseException:
+            self.transport.hello(protocol.StartFailed(traceback.format_exc()))
+            self._close()
+            return
+        handlers = self.handlers
+        while True:
+            if self.backlog:
+                env = self.backlog.popleft()
+            else:
+                try:
+                    env = self.transport.recv()
+                except KeyboardInterrupt:
+                    continue
+                if env is None:
+                    continue
+            kind = type(env.message)
+            if kind is protocol.Exit:
+                break
+            handler = handlers.get(kind)
+            try:
+                if handler is None:
+                    raise TypeError(f"no handler for {kind.__name__} on a worker")
+                handler(env)
+            except Exception:  # a bug of ours: report it, keep serving
+                traceback.print_exc()
+        self._close()
+
+    def _make_groups(self, env: wire.Envelope) -> None:
+        groups.current.create(env.message.gid, env.message.partition)
+        self.output.flush()  # what it printed belongs to no call: send it before the next one starts
+
+    def _run_ops(self, env: wire.Envelope) -> None:
+        engine.run(protocol.unpack_commands(wire.loads(env.body, env.buffers)))
+        self.output.flush()
+
+    def _late_stdin(self, env: wire.Envelope) -> None:
+        pass  # an answer to a prompt given up on (the call was interrupted): nobody waits for it
+
+    def request_input(self, prompt: str, password: bool = False) -> str:
+        """Ask the controller for a line of input (pdb, input()); blocks until it answers.
+
+        Commands arriving meanwhile are kept for later, in order. Raises `RuntimeError` when the
+        controller has no stdin to offer (nbclient, a non-blocking call) and `KeyboardInterrupt`
+        when the user interrupted instead of answering.
+        """
+        req = next(self._input_ids)
+        self.output.flush()  # what was printed before the prompt shows before it
+        self.send(protocol.AskInput(self.call_id, req, prompt, password, self.in_debugger))
+        while True:
+            env = self.transport.recv()
+            if env is None:
+                continue
+            msg = env.message
+            if type(msg) is protocol.StdinReply and msg.req_id == req:
+                if msg.ok:
+                    return msg.text
+                if msg.text == "interrupted":
+                    raise KeyboardInterrupt
+                raise RuntimeError(msg.text)
+            self.backlog.append(env)
+            if type(msg) is protocol.Exit:
+                raise RuntimeError("the mesh is stopping; no input will come")
+
+    def send_display(self, data: dict, metadata: dict) -> None:
+        """Send a rich display (a mime bundle) made on this worker, in order with its output."""
+        self.output.flush()
+        self.send(protocol.Display(self.call_id, data, metadata))
+
+    def _close(self) -> None:
+        self.output.flush()
+        if groups.current is not None:
+            groups.current.destroy()
+        self.transport.close()
+
+    # -- live functions ----------------------------------------------------------------------------
+    def _call(self, env: wire.Envelope) -> None:
+        msg: protocol.Call = env.message
+        call_id = msg.call_id
+        if engine.streams_running():
+            self.output.flush()  # what stream threads printed so far is no part of this call
+        self.call_id = call_id
+        call_view = self.views.get(msg.view)
+        if call_view is None:
+            names, sizes, ranks = msg.view
+            view = Shape(names, sizes, ranks)
+            call_view = context.CallView(view.coords(ranks.index(self.rank)), view.size_dict)
+            if len(self.views) < 1024:
+                self.views[msg.view] = call_view
+        context.view = call_view  # read only through current_rank()/current_size(), which copy
+        ok, value = True, None
+        try:
+            if msg.fn is not None:
+                for filename, lines in (msg.sources or {}).items():
+                    linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+                try:
+                    self.fns[msg.fid] = cloudpickle.loads(msg.fn)
+                except BaseException as e:
+                    self.fns[msg.fid] = e  # shipped once: later calls report the same failure
+                    raise
+            fn = self.fns[msg.fid]
+            if isinstance(fn, BaseException):
+                raise RuntimeError(f"this function could not be loaded on this worker: {type(fn).__name__}: {fn}")
+            args, kwargs = wire.loads(env.body, env.buffers)
+            if call_id in self.cancelled:  # (after keeping the function: later calls rely on it)
+                raise KeyboardInterrupt("interrupted before it started")
+            self.in_user_code = True
+            try:
+                value = fn(*args, **kwargs)
+            finally:
+                self.in_user_code = False
+        except BaseException as e:
+            ok, value = False, _describe(e)
+        if value is None and ok:
+            body = _NONE
+        elif ok:
+            try:
+                body = wire.dumps(value)
+            except Exception as e:
+                ok, value = False, _describe(e, f"the result ({type(value).__name__}) cannot be pickled: ")
+        self.output.flush()
+        self.send(protocol.Reply(call_id, ok), body if ok else wire.dumps(value))
+        self.call_id = None
+        self.cancelled.discard(call_id)
+
+
+_NONE = wire.dumps(None)
+
+_HERE = os.path.dirname(__file__)
+_PLUMBING = {__file__, *(os.path.join(_HERE, f) for f in ("cells.py", "stdin.py"))}
+"""Our frames at the top of a worker traceback; left out so the user's code comes first."""
+
+
+def _describe(e: BaseException, prefix: str = "") -> tuple[str, str, str]:
+    """(type name, message, traceback) with our own frames (worker plumbing) left out."""
+    if type(e).__name__ == "PoisonedValueError":  # its message holds the traceback that matters
+        return (type(e).__qualname__, prefix + str(e), "")
+    te = traceback.TracebackException.from_exception(e)
+    for t in (te, *_chained(te)):
+        t.stack = traceback.StackSummary.from_list([f for f in t.stack if f.filename not in _PLUMBING])
+    return (type(e).__qualname__, prefix + str(e), "".join(te.format()))
+
+
+def _chained(te: traceback.TracebackException) -> list[traceback.TracebackException]:
+    out, seen = [], set()
+    todo = [te.__cause__, te.__context__]
+    while todo:
+        t = todo.pop()
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        out.append(t)
+        todo += [t.__cause__, t.__context__]
+    return out
