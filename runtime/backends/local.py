@@ -152,13 +152,17 @@ class LocalBackend(Backend):
             self.transport.send(mesh_id, ranks, message, body)
         except PeerStalled as e:
             mesh = self.meshes.get(mesh_id)
-            state = _proc_state(mesh.procs[e.rank].pid) if mesh is not None else None
-            why = " (it is stopped: SIGSTOP or Ctrl-Z)" if state == "T" else ""
+            if mesh is None:
+                return
+            candidates = range(len(mesh.procs)) if e.ranks is None else e.ranks
+            stopped = [r for r in candidates if _proc_state(mesh.procs[r].pid) == "T"]
+            rank = stopped[0] if stopped else min(candidates)
+            why = "it is stopped (SIGSTOP or Ctrl-Z)" if stopped else "it is alive but does not read"
             self.on_lost(
                 mesh_id,
-                e.rank,
-                f"took no commands for {e.seconds:.0f} s while {self.settings.send_hwm} were queued for it{why}; "
-                "it was dropped (MONARCH_SEND_STALL, MONARCH_SEND_HWM)",
+                rank,
+                f"took no commands for {e.seconds:.0f} s while {self.settings.send_hwm} were queued for it "
+                f"({why}); it was dropped (MONARCH_SEND_STALL, MONARCH_SEND_HWM)",
             )
 
     def interrupt(self, mesh_id: int, ranks: tuple[int, ...], call_id: int) -> None:

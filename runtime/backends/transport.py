@@ -1,9 +1,10 @@
 """The sockets between a controller and its workers, both ends, and what keeps them safe.
 
-- Commands go down a ROUTER socket with one connection per worker, addressed by a secret routing id
-  the worker got at start: no other process can receive them, and a worker that stops taking
-  commands is known by rank (a full queue is backpressure, then a named failure, never a silent drop
-  or unbounded memory).
+- Commands go down one XPUB socket (one send reaches every worker of a mesh) on secret topics: each
+  mesh has one, each worker one, handed over privately at start. Subscriptions are applied by hand
+  (manual mode), only for those topics, so a stranger's subscription matches nothing and it receives
+  nothing. A worker's full queue is backpressure (never a silent drop); one that stays full fails the
+  mesh, saying so.
 - Replies, output and input requests come up a PULL socket with a bounded queue.
 - Every message is signed with its mesh's key (HMAC-SHA256) and checked before anything is unpickled;
   it names its sender and carries a sequence number, and a receiver refuses any number it has seen.
@@ -17,7 +18,7 @@ and the workers use it.
 
 from __future__ import annotations
 
-import errno
+import _signal
 import os
 import signal
 import sys
@@ -89,19 +90,17 @@ class InterruptHold:
         raise KeyboardInterrupt
 
     def install(self) -> None:
-        if threading.get_ident() == MAIN and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        if threading.get_ident() == MAIN and _getsignal(_SIGINT) is signal.default_int_handler:
             signal.signal(signal.SIGINT, self.handler)
 
     def uninstall(self) -> None:
-        if threading.get_ident() == MAIN and signal.getsignal(signal.SIGINT) is self.handler:
+        if threading.get_ident() == MAIN and _getsignal(_SIGINT) is self.handler:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def enter(self) -> bool:
         """Start holding; False when this thread cannot be interrupted or another handler is set (then
         `swap_enter` is the slow, general way)."""
-        if threading.get_ident() != MAIN:
-            return False
-        if signal.getsignal(signal.SIGINT) is not self.handler:
+        if threading.get_ident() != MAIN or _getsignal(_SIGINT) is not self.handler:
             return False
         self.depth += 1
         return True
@@ -113,6 +112,8 @@ class InterruptHold:
             raise KeyboardInterrupt
 
 
+_getsignal = _signal.getsignal  # signal.getsignal without its conversion to an enum (~15 µs)
+_SIGINT = int(signal.SIGINT)
 MAIN = threading.main_thread().ident
 """The thread Python runs signal handlers in (Ctrl-C is raised there)."""
 HOLD = InterruptHold()
@@ -131,12 +132,13 @@ class _Swap:
             self.old(signal.SIGINT, self.held[0])
 
 
-def _send_whole(sock: zmq.Socket, ident: bytes, frames: list) -> None:
-    """One message to `ident`, all its frames or (zmq.Again, if the peer's queue is full) none."""
-    sock.send(ident, _NOBLOCK | _SNDMORE)  # a full queue refuses the first frame; the rest then go
-    last = len(frames) - 1
-    for i, f in enumerate(frames):
-        sock.send(f, _NOBLOCK | (_SNDMORE if i < last else 0), copy=i == 0)
+def _send_whole(sock: zmq.Socket, topic: bytes, frames: list) -> None:
+    """One message on `topic`, all its frames or (zmq.Again: a subscriber's queue is full) none."""
+    if len(frames) == 1:
+        sock.send(topic + frames[0], _NOBLOCK)
+        return
+    sock.send(topic + frames[0], _NOBLOCK | _SNDMORE)  # a full queue refuses the first frame; the rest then go
+    sock.send_multipart(frames[1:], _NOBLOCK, copy=False)
 
 
 # -- keys ---------------------------------------------------------------------------------------------
@@ -149,8 +151,10 @@ class WorkerKeys:
     rank: int
     key: bytes
     """The mesh's HMAC key."""
-    routing_id: bytes
-    """This worker's secret address on the command socket."""
+    mesh_topic: bytes
+    """The mesh's secret topic on the command socket (commands to every worker)."""
+    rank_topic: bytes
+    """This worker's secret topic (commands to it alone)."""
     cmd_addr: str
     reply_addr: str
     store_addr: str
@@ -160,10 +164,17 @@ class WorkerKeys:
     client_secret: bytes | None = None
 
 
+TOPIC = 16
+"""Bytes in a topic."""
+UPSTREAM = b"\x02"
+"""First byte of a message that workers send up the command socket (0 and 1 mean (un)subscribe)."""
+
+
 @dataclass
 class _Mesh:
     key: bytes
-    ids: list[bytes]
+    topic: bytes
+    rank_topics: list[bytes]
     client_public: bytes | None
     seq: int = 0
     """Sequence number of the last message sent to this mesh's workers."""
@@ -174,9 +185,9 @@ class _Mesh:
 class PeerStalled(Exception):
     """A worker has not taken its commands for `send_stall` seconds while its queue was full."""
 
-    def __init__(self, mesh_id: int, rank: int, seconds: float):
-        self.mesh_id, self.rank, self.seconds = mesh_id, rank, seconds
-        super().__init__(f"mesh {mesh_id} rank {rank} took no commands for {seconds:.0f} s")
+    def __init__(self, mesh_id: int, ranks: tuple[int, ...] | None, seconds: float):
+        self.mesh_id, self.ranks, self.seconds = mesh_id, ranks, seconds
+        super().__init__(f"a worker of mesh {mesh_id} took no commands for {seconds:.0f} s")
 
 
 class _Curve:
@@ -230,19 +241,20 @@ def _client(sock: zmq.Socket, keys: WorkerKeys) -> None:
 
 # -- the controller's end ------------------------------------------------------------------------------
 class ControllerTransport:
-    """The controller's sockets: commands down (ROUTER), replies up (PULL), the store's (ROUTER).
+    """The controller's sockets: commands down (XPUB), replies up (PULL), the store's (ROUTER).
 
     Thread use: any thread sends (under a lock); one thread at a time receives replies (the
-    controller's receive lock); start-up messages on the command socket are read by the backend's
-    monitor under the send lock; the store's socket belongs to the store's thread.
+    controller's receive lock); what comes up the command socket (subscriptions, start-up messages) is
+    read by the backend's monitor under the send lock; the store's socket belongs to the store's thread.
     """
 
     def __init__(self, settings: Settings, directory: str) -> None:
         self.settings = settings
         self.ctx = zmq.Context()
         self.curve = _Curve(self.ctx) if settings.transport == "tcp" else None
-        self.cmd = self._socket(zmq.ROUTER, sndhwm=settings.send_hwm, rcvhwm=JUNK_HWM)
-        self.cmd.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or unknown peer is an error, not a silent drop
+        self.cmd = self._socket(zmq.XPUB, sndhwm=settings.send_hwm, rcvhwm=JUNK_HWM)
+        self.cmd.setsockopt(zmq.XPUB_MANUAL, 1)  # we apply subscriptions: only to topics we handed out
+        self.cmd.setsockopt(zmq.XPUB_NODROP, 1)  # a full queue is an error (backpressure), not a silent drop
         self.reply = self._socket(zmq.PULL, rcvhwm=REPLY_HWM)
         self.store = self._socket(zmq.ROUTER, sndhwm=settings.send_hwm, rcvhwm=REPLY_HWM)
         self.store.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -266,6 +278,8 @@ class ControllerTransport:
         self._waker_lock = threading.Lock()
         self.send_lock = threading.Lock()
         self._meshes: dict[int, _Mesh] = {}
+        self._topics: dict[bytes, tuple[int, int]] = {}
+        """Topic -> (mesh id, rank), rank -1 for a mesh's own topic."""
         self._store_seen: dict[bytes, int] = {}
         """Store connection -> sequence number of its last request."""
         self._rcvtimeo = -1
@@ -286,31 +300,38 @@ class ControllerTransport:
         """New keys for a mesh of `n` workers: its HMAC key, each worker's address, and (TCP) a CURVE
         key pair of its own, admitted until `remove_mesh`."""
         key = os.urandom(32)
-        ids = [os.urandom(16) for _ in range(n)]
+        topic = os.urandom(TOPIC)
+        rank_topics = [os.urandom(TOPIC) for _ in range(n)]
         public = secret = None
         if self.curve is not None:
             public, secret = zmq.curve_keypair()
             self.curve.clients.add(public)
-        self._meshes[mesh_id] = _Mesh(key, ids, public, seen=[0] * n)
+        with self.send_lock:
+            self._meshes[mesh_id] = _Mesh(key, topic, rank_topics, public, seen=[0] * n)
+            self._topics[topic] = (mesh_id, -1)
+            for r, t in enumerate(rank_topics):
+                self._topics[t] = (mesh_id, r)
         server = self.curve.public if self.curve is not None else None
-        return [
-            WorkerKeys(mesh_id, r, key, ids[r], self.cmd_addr, self.reply_addr, self.store_addr, server, public, secret)
-            for r in range(n)
-        ]
+        addrs = (self.cmd_addr, self.reply_addr, self.store_addr)
+        return [WorkerKeys(mesh_id, r, key, topic, rank_topics[r], *addrs, server, public, secret) for r in range(n)]
 
     def remove_mesh(self, mesh_id: int) -> None:
         """Forget a mesh: its messages are dropped from now on and its CURVE key no longer admitted."""
-        mesh = self._meshes.pop(mesh_id, None)
+        with self.send_lock:
+            mesh = self._meshes.pop(mesh_id, None)
+            if mesh is not None:
+                for t in (mesh.topic, *mesh.rank_topics):
+                    self._topics.pop(t, None)
         if mesh is not None and self.curve is not None:
             self.curve.clients.discard(mesh.client_public)
 
     # -- sending -----------------------------------------------------------------------------------
     def send(self, mesh_id: int, ranks: tuple[int, ...] | None, message: Any, body: list | None = None) -> None:
-        """Sign `message` once and send it to `ranks` of the mesh (None: every worker).
+        """Sign `message` once and send it to `ranks` of the mesh (None: every worker, in one send).
 
         A worker whose queue is full makes the sender wait for it (backpressure); after `send_stall`
-        seconds without progress, `PeerStalled` names it. A worker that is gone is skipped (its
-        exit is reported by the backend's monitor)."""
+        seconds without progress, `PeerStalled` says so. A worker that is gone is skipped (its exit
+        is reported by the backend's monitor)."""
         mesh = self._meshes.get(mesh_id)
         if mesh is None:
             return
@@ -331,36 +352,27 @@ class ControllerTransport:
                     HOLD.leave()
 
     def _send_all(self, mesh_id: int, mesh: _Mesh, ranks, frames: list) -> None:
-        cmd = self.cmd
-        for rank in range(len(mesh.ids)) if ranks is None else ranks:
-            ident = mesh.ids[rank]
+        for topic in (mesh.topic,) if ranks is None else [mesh.rank_topics[r] for r in ranks]:
             try:
-                _send_whole(cmd, ident, frames)
+                _send_whole(self.cmd, topic, frames)
             except zmq.Again:
-                self._wait_for(mesh_id, mesh, rank, ident, frames)
-            except zmq.ZMQError as e:
-                if e.errno != errno.EHOSTUNREACH:
-                    raise
+                self._wait_for(mesh_id, mesh, ranks, topic, frames)
 
-    def _wait_for(self, mesh_id: int, mesh: _Mesh, rank: int, ident: bytes, frames: list) -> None:
-        """Backpressure: the worker's queue is full. Wait for it to take commands, while its mesh lives."""
+    def _wait_for(self, mesh_id: int, mesh: _Mesh, ranks, topic: bytes, frames: list) -> None:
+        """Backpressure: a worker's queue is full. Wait for it to take commands, while its mesh lives."""
         deadline = time.monotonic() + self.settings.send_stall
-        pause = 0.00005
+        pause = 0.00002
         while time.monotonic() < deadline:
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
             if self._meshes.get(mesh_id) is not mesh or self.closed:
                 return  # the mesh was stopped or failed meanwhile: nothing to deliver
             try:
-                _send_whole(self.cmd, ident, frames)
+                _send_whole(self.cmd, topic, frames)
                 return
             except zmq.Again:
                 continue
-            except zmq.ZMQError as e:
-                if e.errno == errno.EHOSTUNREACH:
-                    return
-                raise
-        raise PeerStalled(mesh_id, rank, self.settings.send_stall)
+        raise PeerStalled(mesh_id, ranks, self.settings.send_stall)
 
     # -- receiving replies -------------------------------------------------------------------------
     def set_timeout(self, ms: int) -> None:
@@ -398,7 +410,7 @@ class ControllerTransport:
         try:
             mesh_id, rank = wire.sender(frames)
             mesh = self._meshes.get(mesh_id)
-            if mesh is None or not 0 <= rank < len(mesh.ids):
+            if mesh is None or not 0 <= rank < len(mesh.rank_topics):
                 self.log("a message", f"it names no running mesh and rank ({mesh_id}, {rank})")
                 return DROPPED
             env = wire.decode(mesh.key, frames)
@@ -425,26 +437,35 @@ class ControllerTransport:
 
     # -- start-up messages on the command socket ---------------------------------------------------
     def read_cmd(self) -> list[wire.Envelope]:
-        """Messages workers sent on their command connection (`Ready`, `StartFailed`); anything else that
-        came up that socket is dropped. Call it when `cmd_fd` is readable; it also re-arms that fd."""
+        """What came up the command socket: subscriptions to our topics are applied (others ignored),
+        start-up messages (`Ready`, `StartFailed`) returned, anything else dropped. Call it when `cmd_fd`
+        is readable, and now and then (any send may consume the fd's edge); it re-arms the fd."""
         out = []
         with self.send_lock:
             if self.closed:
                 return out
+            cmd = self.cmd
             while True:
                 try:
-                    frames = self.cmd.recv_multipart(_NOBLOCK, copy=False)
+                    frames = cmd.recv_multipart(_NOBLOCK, copy=False)
                 except zmq.Again:
                     return out
-                ident, frames = frames[0].bytes, frames[1:]
-                env = self._verify(frames) if frames else DROPPED
-                if env is DROPPED:
+                first = frames[0].buffer
+                kind = bytes(first[:1])
+                if kind != UPSTREAM:  # a subscription (\x01 + topic), an unsubscription (\x00), or junk
+                    if len(frames) != 1 or kind not in (b"\x00", b"\x01") or len(first) > 1 + TOPIC:
+                        self.log("a message", f"{len(first)}-byte junk came up the command socket")
+                        continue
+                    topic = bytes(first[1:])
+                    if topic not in self._topics:
+                        self.log("a subscription", f"a {len(topic)}-byte topic that is not one of a running mesh's")
+                    elif kind == b"\x01":
+                        cmd.setsockopt(zmq.SUBSCRIBE, topic)  # (applies to the connection it came on)
                     continue
-                mesh = self._meshes.get(env.mesh_id)
-                if mesh is None or mesh.ids[env.rank] != ident:
-                    self.log("a message", f"it came on another worker's connection (rank {env.rank})")
-                    continue
-                out.append(env)
+                frames[0] = frames[0].buffer[1:]
+                env = self._verify(frames)
+                if env is not DROPPED:
+                    out.append(env)
 
     @property
     def cmd_fd(self) -> int:
@@ -466,7 +487,7 @@ class ControllerTransport:
         try:
             mesh_id, rank = wire.sender(frames) if frames else (None, None)
             mesh = self._meshes.get(mesh_id)
-            if mesh is None or not 0 <= rank < len(mesh.ids):
+            if mesh is None or not 0 <= rank < len(mesh.rank_topics):
                 self.log("a store request", f"it names no running mesh and rank ({mesh_id}, {rank})")
                 return DROPPED
             env = wire.decode(mesh.key, frames)
@@ -515,17 +536,18 @@ class ControllerTransport:
 
 # -- a worker's end --------------------------------------------------------------------------------
 class WorkerTransport:
-    """A worker's sockets: commands in (DEALER, under its secret address), replies out (PUSH)."""
+    """A worker's sockets: commands in (XSUB, on its mesh's topic and its own), replies out (PUSH)."""
 
     def __init__(self, keys: WorkerKeys) -> None:
         self.keys = keys
         self.ctx = zmq.Context()
-        self.cmd = self.ctx.socket(zmq.DEALER)
-        self.cmd.setsockopt(zmq.ROUTING_ID, keys.routing_id)
+        self.cmd = self.ctx.socket(zmq.XSUB)
         self.cmd.setsockopt(zmq.RCVHWM, 0)  # what the controller pipelined waits here, in our memory
         self.cmd.setsockopt(zmq.LINGER, 1000)
         _client(self.cmd, keys)
         self.cmd.connect(keys.cmd_addr)
+        for topic in (keys.mesh_topic, keys.rank_topic):
+            self.cmd.send(b"\x01" + topic)
         self.out = self.ctx.socket(zmq.PUSH)
         self.out.setsockopt(zmq.SNDHWM, 0)  # output is never dropped; it waits here if the controller lags
         self.out.setsockopt(zmq.LINGER, 5000)
@@ -542,11 +564,11 @@ class WorkerTransport:
         return wire.encode(k.key, k.mesh_id, k.rank, self._seq, protocol.pack(message), body)
 
     def hello(self, message: Any) -> None:
-        """A start-up message (`Ready`, `StartFailed`) on the command connection: it tells the controller
-        that this worker's address is live. Main thread only."""
+        """A start-up message (`Ready`, `StartFailed`) up the command connection: behind this worker's
+        subscriptions on the same connection, so when it arrives, commands reach the worker. Main thread."""
         with self._lock:
             frames = self._encode(message, None)
-        self.cmd.send_multipart(frames)
+        self.cmd.send_multipart([UPSTREAM + frames[0], *frames[1:]])
 
     def send(self, message: Any, body: list | None = None) -> None:
         """Send `message` up (any thread)."""
@@ -560,6 +582,7 @@ class WorkerTransport:
     def recv(self) -> wire.Envelope | None:
         """The next command (blocks); None for one that failed its checks (logged)."""
         frames = self.cmd.recv_multipart(copy=False)
+        frames[0] = frames[0].buffer[TOPIC:]
         try:
             mesh_id, rank = wire.sender(frames)
             if mesh_id != self.keys.mesh_id or rank != wire.CONTROLLER:
