@@ -120,6 +120,11 @@ def import_function(module: str, qualname: str) -> Any:
     return getattr(obj, "__monarch_fn__", obj)
 
 
+def call_function(module: str, qualname: str, *args: Any) -> Any:
+    """Import `module.qualname` and call it (a process target named as data, not imported by its starter)."""
+    return import_function(module, qualname)(*args)
+
+
 def _torch_attr(name: str) -> Any:
     import torch
 

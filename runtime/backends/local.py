@@ -28,7 +28,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from monarch.runtime import groups, protocol
+from monarch.runtime import groups, protocol, wire
 from monarch.runtime.backends.base import Backend, LostCallback
 from monarch.runtime.backends.store import StoreServer
 from monarch.runtime.backends.transport import ControllerTransport, PeerStalled
@@ -94,9 +94,6 @@ class LocalBackend(Backend):
         with self._changed:
             self.meshes[mesh_id] = mesh
             self._starting += 1
-        # The one name controller-side code takes from the worker side: the process entry point (light).
-        from monarch.runtime.worker.main import run
-
         try:
             for coords, rank in shape.points():
                 wenv = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n))
@@ -104,7 +101,9 @@ class LocalBackend(Backend):
                     keys[rank], coords, shape.size_dict, rank, labels[rank], path, wenv, os.getcwd(), list(sys.path),
                     threads, fs_pid, os.getpid(), self.settings.group_timeout,
                 )  # fmt: skip
-                p = process_cls(target=run, args=(cfg,), name=f"monarch-{mesh_id}-{rank}")
+                # the worker's entry point, named (controller-side code never imports worker code)
+                entry = ("monarch.runtime.worker.main", "run", cfg)
+                p = process_cls(target=wire.call_function, args=entry, name=f"monarch-{mesh_id}-{rank}")
                 p.start()
                 multiprocessing.process._children.discard(p)  # we reap it, via its sentinel
                 with self._changed:
