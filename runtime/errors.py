@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
+from monarch.runtime.protocol import ErrorInfo
 from monarch.runtime.shape import format_ranks
 
 
@@ -116,13 +117,13 @@ class WorkerDiedError(RemoteError):
         return type(self), (self.rank, self.label, self.cause, self.mesh, self.total)
 
 
-def group_failures(raw: list[tuple[int, str, tuple[str, str, str]]]) -> list[Failure]:
-    """`[(rank, label, (exc_type, message, traceback))]` -> one `Failure` per distinct error."""
-    groups: dict[tuple[str, str, str], Failure] = {}
-    for rank, label, (exc_type, message, tb) in sorted(raw):
-        key = (exc_type, message, tb)
+def group_failures(raw: list[tuple[int, str, ErrorInfo]]) -> list[Failure]:
+    """`[(rank, label, error)]` -> one `Failure` per distinct error."""
+    groups: dict[ErrorInfo, Failure] = {}
+    for rank, label, info in sorted(raw, key=lambda r: r[0]):
+        key = info
         if key not in groups:
-            groups[key] = Failure([], [], exc_type, message, tb)
+            groups[key] = Failure([], [], info.exc_type, info.message, info.traceback)
         groups[key].ranks.append(rank)
         groups[key].labels.append(label)
     return list(groups.values())

@@ -77,8 +77,11 @@ class Call:
     call_id: int
     fid: int
     """The function's id in this mesh; `fn` brings it the first time a worker needs it."""
-    view: tuple
-    """``(names, sizes, ranks)`` of the mesh view it was called on (the worker's coordinates in it)."""
+    names: tuple
+    """The dimension names of the mesh view it was called on (the worker's coordinates are in it)."""
+    sizes: tuple
+    ranks: tuple
+    """The view's global ranks, row-major."""
     fn: bytes | None = None
     """The pickled function, when a worker does not have it yet."""
     sources: dict | None = None
@@ -131,7 +134,7 @@ class StartFailed:
 # -- worker -> controller, on the reply connection --------------------------------------------------
 @message
 class Reply:
-    """A call's result (`ok`) or error ``(type name, message, traceback)``; the body holds it."""
+    """A call's result (`ok`) or `ErrorInfo`; the body holds it."""
 
     call_id: int
     ok: bool
@@ -165,6 +168,17 @@ class AskInput:
     prompt: str
     password: bool
     debugger: bool
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """An exception raised on a worker, as the controller shows it (travels in a `Reply`'s body)."""
+
+    exc_type: str
+    """Qualified name of the exception type."""
+    message: str
+    traceback: str
+    """The formatted traceback, worker plumbing left out."""
 
 
 # -- the rendezvous store: worker -> controller, and its answer --------------------------------------

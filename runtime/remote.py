@@ -107,10 +107,10 @@ class Future(Generic[T]):
             pass  # a worker that did not answer in time is reported as busy
         labels = pending.mesh.labels
         raw = []
-        for rank, (ok, body, buffers) in list(pending.replies.items()):
-            if not ok:
+        for rank, env in list(pending.replies.items()):
+            if not env.message.ok:
                 try:
-                    raw.append((rank, labels[rank], _loads(body, buffers)))
+                    raw.append((rank, labels[rank], _loads(env.body, env.buffers)))
                 except Exception:
                     pass
         busy = sorted(set(self._shape.ranks) - set(pending.replies))
@@ -127,13 +127,14 @@ class Future(Generic[T]):
         labels = self._pending.mesh.labels
         values, failed = [], []
         for rank in self._shape.ranks:
-            ok, body, buffers = replies[rank]
+            env = replies[rank]
             try:
-                obj = _loads(body, buffers)
+                obj = _loads(env.body, env.buffers)
             except Exception as e:
-                failed.append((rank, labels[rank], (type(e).__qualname__, f"result cannot be unpickled here: {e}", "")))
+                info = protocol.ErrorInfo(type(e).__qualname__, f"result cannot be unpickled here: {e}", "")
+                failed.append((rank, labels[rank], info))
                 continue
-            if not ok:
+            if not env.message.ok:
                 failed.append((rank, labels[rank], obj))
             else:
                 values.append(obj)
@@ -210,7 +211,6 @@ class RemoteFunction:
         controller = spawned.controller
         fn = self._fn
         blob = fnblob.function_blob(fn, lambda: _by_reference(fn), lambda obj: _pickle(obj, "function", fn))
-        view = (shape.names, shape.sizes, shape.ranks)
         # Whether the workers have the function yet, and the send that ships it, are one step: a call
         # from another thread must not overtake the message that carries the function.
         with spawned.order_lock:
@@ -230,7 +230,10 @@ class RemoteFunction:
             pending = controller.call(
                 spawned,
                 shape.ranks,
-                lambda call_id: (protocol.Call(call_id, fid, view, fn_blob, sources), body),
+                lambda call_id: (
+                    protocol.Call(call_id, fid, shape.names, shape.sizes, shape.ranks, fn_blob, sources),
+                    body,
+                ),
                 no_stdin,
                 output,
             )

@@ -198,7 +198,7 @@ class Receiver:
         pending = c.calls.get(msg.call_id)
         if pending is None or pending.mesh.mesh_id != env.mesh_id:
             return  # its caller already gave up on it
-        pending.replies[env.rank] = (msg.ok, env.body, env.buffers)
+        pending.replies[env.rank] = env
         if len(pending.replies) == len(pending.ranks):
             c.calls.pop(msg.call_id, None)
             if not pending.future.done():

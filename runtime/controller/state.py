@@ -47,17 +47,14 @@ class SpawnedMesh:
             raise RuntimeError(f"mesh {self.shape.describe()} is {self.state}; spawn a new one (mesh.respawn())")
 
 
-Reply = tuple[bool, Any, list]
-"""``(ok, body, buffers)``: one worker's answer to a call, not yet unpickled."""
-
-
 @dataclass
 class PendingCall:
     call_id: int
     mesh: SpawnedMesh
     ranks: tuple[int, ...]
     future: concurrent.futures.Future
-    replies: dict[int, Reply] = field(default_factory=dict)
+    replies: dict[int, Any] = field(default_factory=dict)
+    """Rank -> its `Reply`'s envelope (the body not yet unpickled)."""
     no_stdin: str | None = None
     """Why this call cannot be given input (workers asking get an error saying so), or None."""
     output: Callable[[OutputEvent], None] | None = None

@@ -190,13 +190,13 @@ class Worker:
         if engine.streams_running():
             self.output.flush()  # what stream threads printed so far is no part of this call
         self.call_id = call_id
-        call_view = self.views.get(msg.view)
+        key = (msg.names, msg.sizes, msg.ranks)
+        call_view = self.views.get(key)
         if call_view is None:
-            names, sizes, ranks = msg.view
-            view = Shape(names, sizes, ranks)
-            call_view = context.CallView(view.coords(ranks.index(self.rank)), view.size_dict)
+            view = Shape(msg.names, msg.sizes, msg.ranks)
+            call_view = context.CallView(view.coords(msg.ranks.index(self.rank)), view.size_dict)
             if len(self.views) < 1024:
-                self.views[msg.view] = call_view
+                self.views[key] = call_view
         context.view = call_view  # read only through current_rank()/current_size(), which copy
         ok, value = True, None
         try:
@@ -241,14 +241,14 @@ _PLUMBING = {__file__, *(os.path.join(_HERE, f) for f in ("cells.py", "stdin.py"
 """Our frames at the top of a worker traceback; left out so the user's code comes first."""
 
 
-def _describe(e: BaseException, prefix: str = "") -> tuple[str, str, str]:
-    """(type name, message, traceback) with our own frames (worker plumbing) left out."""
+def _describe(e: BaseException, prefix: str = "") -> protocol.ErrorInfo:
+    """`e` as the controller shows it, our own frames (worker plumbing) left out."""
     if type(e).__name__ == "PoisonedValueError":  # its message holds the traceback that matters
-        return (type(e).__qualname__, prefix + str(e), "")
+        return protocol.ErrorInfo(type(e).__qualname__, prefix + str(e), "")
     te = traceback.TracebackException.from_exception(e)
     for t in (te, *_chained(te)):
         t.stack = traceback.StackSummary.from_list([f for f in t.stack if f.filename not in _PLUMBING])
-    return (type(e).__qualname__, prefix + str(e), "".join(te.format()))
+    return protocol.ErrorInfo(type(e).__qualname__, prefix + str(e), "".join(te.format()))
 
 
 def _chained(te: traceback.TracebackException) -> list[traceback.TracebackException]:
