@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -126,16 +127,18 @@ CONTROLLER = textwrap.dedent(
     from monarch.actor import this_host
     import monarch
 
-    mesh = this_host().spawn_procs({"gpu": 3})
+    mesh = this_host().spawn_procs({"gpu": 8})
     pids = [r["pid"] for r in mesh.to_table().rows]
 
     @monarch.remote
-    def spin():
-        import time
-        while True:
-            time.sleep(0.01)
+    def busy():
+        import torch
+        t = torch.randn(256, 256)
+        while True:  # busy in C code (a matmul), not asleep
+            t = torch.tanh(t @ t)
 
-    fut = spin.on(mesh).call_async()
+    fut = busy.on(mesh).call_async()
+    time.sleep(0.5)
     print(" ".join(map(str, pids)), flush=True)
     time.sleep(60)
     """
@@ -147,21 +150,45 @@ def _forkserver_children(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
-def test_controller_sigkill_takes_every_worker_down(tmp_path):
+def _dirs_of(pid: int) -> list[str]:
+    """Our temporary directories (sockets, the fork server's address) whose owner is `pid`."""
+    root, out = tempfile.gettempdir(), []
+    for name in os.listdir(root):
+        if name.startswith("monarch-"):
+            try:
+                with open(os.path.join(root, name, "owner")) as f:
+                    if f.read().split()[0] == str(pid):
+                        out.append(os.path.join(root, name))
+            except OSError:
+                pass
+    return out
+
+
+def test_controller_sigkill_takes_every_busy_worker_down_and_the_next_start_cleans_up(tmp_path):
+    """Workers busy in C code used to outlive a killed controller by 1.8-5.7 s (the fork server's slow
+    interpreter shutdown). Each now watches the controller itself (benchmarks/controller_death.py reports
+    how long they take; here, a generous bound only guards against a hang)."""
     script = tmp_path / "controller.py"
     script.write_text(CONTROLLER)
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         pids = [int(p) for p in line.split()]
-        assert len(pids) == 3 and all(pid_alive(p) for p in pids)
+        assert len(pids) == 8 and all(pid_alive(p) for p in pids)
         helpers = _forkserver_children(proc.pid)  # the fork server, resource tracker
+        left = _dirs_of(proc.pid)
+        assert len(left) == 2  # its sockets' directory and its fork server's
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(5)
-        t0 = time.monotonic()
-        assert wait_gone(pids, 2.0) == [], "workers outlived their controller by 2 s"
-        assert time.monotonic() - t0 < 2.0
-        assert wait_gone(helpers, 3.0) == []
+        assert wait_gone(pids, 30) == [], "workers outlived their controller"
+        assert wait_gone(helpers, 30) == []
+        assert all(os.path.isdir(d) for d in left)  # a SIGKILL cleans nothing...
+        subprocess.run(
+            [sys.executable, "-c", "from monarch.actor import this_host; this_host().spawn_procs({'gpu': 1}).exit()"],
+            check=True,
+            timeout=120,
+        )
+        assert not any(os.path.exists(d) for d in left)  # ...the next controller to start does
     finally:
         proc.kill()
         proc.wait()

@@ -454,7 +454,7 @@ class ControllerTransport:
                 kind = bytes(first[:1])
                 if kind != UPSTREAM:  # a subscription (\x01 + topic), an unsubscription (\x00), or junk
                     if len(frames) != 1 or kind not in (b"\x00", b"\x01") or len(first) > 1 + TOPIC:
-                        self.log("a message", f"{len(first)}-byte junk came up the command socket")
+                        self.log("junk", f"{len(first)} bytes came up the command socket")
                         continue
                     topic = bytes(first[1:])
                     if topic not in self._topics:

@@ -1,0 +1,352 @@
+"""The transport under attack from the same machine: another user, junk, fakes, replays, a frozen worker.
+
+Each test plays the attacker found by probing the runtime (issue 10), then checks that meshes keep
+working, memory stays bounded and no process is left behind. Tests that need another uid run as root
+(they fork a child that drops to `nobody`) and are skipped otherwise, saying so.
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import tempfile
+import time
+
+import pytest
+import zmq
+
+import monarch
+from monarch.actor import this_host
+from monarch.runtime import protocol, wire
+from monarch.runtime.config import Settings
+from monarch.runtime.controller import Controller, get_controller
+from monarch.runtime.errors import WorkerDiedError
+from monarch.runtime.mesh import ProcMesh
+
+from conftest import wait_gone, worker_pids
+
+NOBODY = 65534
+root_only = pytest.mark.skipif(os.getuid() != 0, reason="needs root, to act as another user (nobody)")
+
+
+def as_nobody(fn, *args) -> int:
+    """Fork a child that becomes uid/gid `nobody` and runs `fn(*args)`; returns (pid, read end of the pipe
+    its JSON result comes on)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no threads but this one, the parent's modules already imported
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            result = fn(*args)
+        except BaseException as e:
+            result = {"error": f"{type(e).__name__}: {e}"}
+        os.write(w, json.dumps(result).encode())
+        os._exit(0)
+    os.close(w)
+    return pid, r
+
+
+def result_of(pid: int, r: int, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.02)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise AssertionError("the attacker process did not finish")
+    with os.fdopen(r) as f:
+        return json.loads(f.read())
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def _listening_tcp_inodes() -> set[str]:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if cols[3] == "0A":  # LISTEN
+                inodes.add(cols[9])
+    return inodes
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        m = re.fullmatch(r"socket:\[(\d+)\]", target)
+        if m:
+            out.add(m.group(1))
+    return out
+
+
+@monarch.remote
+def echo(x):
+    return len(x) if isinstance(x, bytes) else x
+
+
+# -- the rendezvous store --------------------------------------------------------------------------
+@root_only
+def test_another_user_cannot_reach_the_store_or_the_sockets_of_a_local_mesh(mesh):
+    """The store was a TCPStore on every interface taking keys from anyone. Now nothing of the controller
+    listens on TCP in IPC mode, and its sockets sit in a directory another user cannot open."""
+    list(echo.on(mesh)(1))
+    backend = get_controller().backend
+    assert not (_socket_inodes(os.getpid()) & _listening_tcp_inodes()), "the controller listens on TCP"
+    store_path = backend.transport.store_addr.removeprefix("ipc://")
+
+    def attack() -> dict:
+        out = {}
+        try:
+            os.listdir(backend.dir)
+            out["listdir"] = "allowed"
+        except PermissionError:
+            out["listdir"] = "refused"
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect(store_path)
+            out["connect"] = "allowed"
+        except PermissionError:
+            out["connect"] = "refused"
+        finally:
+            s.close()
+        return out
+
+    assert result_of(*as_nobody(attack)) == {"listdir": "refused", "connect": "refused"}
+    assert list(echo.on(mesh)(2)) == [2] * len(mesh)
+
+
+@root_only
+def test_another_user_can_neither_read_commands_nor_use_the_store_over_tcp():
+    """In TCP mode anyone on the machine could subscribe and read function pickles and arguments. Now
+    sockets are CURVE-encrypted and admit only a running mesh's key pair: a stranger who even knows the
+    server's public key and the mesh's topic (leaked here on purpose) gets nothing, and the store does not
+    answer it."""
+    ctl = Controller(Settings(transport="tcp", bind_addr="127.0.0.1"))
+    try:
+        spawned = ctl.spawn({"gpu": 2})
+        mesh = ProcMesh(spawned, spawned.shape)
+        transport = ctl.backend.transport
+        leaked = transport._meshes[spawned.mesh_id]
+        server_public, topic = transport.curve.public, leaked.topic
+        cmd_addr, store_addr = transport.cmd_addr, transport.store_addr
+        assert cmd_addr.startswith("tcp://127.0.0.1:")
+        secret = b"SECRET-ARGUMENT-" + os.urandom(8).hex().encode()
+
+        def attack() -> dict:
+            ctx = zmq.Context()
+            public, private = zmq.curve_keypair()
+            sub = ctx.socket(zmq.XSUB)
+            sub.curve_serverkey, sub.curve_publickey, sub.curve_secretkey = server_public, public, private
+            sub.connect(cmd_addr)
+            for t in (b"", topic):
+                sub.send(b"\x01" + t)
+            plain = ctx.socket(zmq.SUB)  # no CURVE at all
+            plain.setsockopt(zmq.SUBSCRIBE, b"")
+            plain.connect(cmd_addr)
+            store = ctx.socket(zmq.DEALER)
+            store.curve_serverkey, store.curve_publickey, store.curve_secretkey = server_public, public, private
+            store.connect(store_addr)
+            store.send_multipart(wire.encode(os.urandom(32), 0, 0, 1, protocol.pack(protocol.StoreNumKeys())))
+            got, seen_secret, deadline = 0, False, time.monotonic() + 3
+            while time.monotonic() < deadline:
+                for s in (sub, plain):
+                    if s.poll(50):
+                        got += 1
+                        seen_secret = seen_secret or secret in b"".join(s.recv_multipart())
+            answered = bool(store.poll(500))
+            ctx.destroy(0)
+            return {"received": got, "saw_secret": seen_secret, "store_answered": answered}
+
+        pid, r = as_nobody(attack)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:  # commands with the secret go out while the stranger listens
+            assert list(echo.on(mesh)(secret)) == [len(secret)] * 2
+            time.sleep(0.05)
+        assert result_of(pid, r) == {"received": 0, "saw_secret": False, "store_answered": False}
+        pids = [i["pid"] for i in spawned.info]
+    finally:
+        ctl.shutdown()
+    assert wait_gone(pids) == []
+
+
+# -- fakes, junk and a subscriber that never reads -----------------------------------------------------
+def test_fake_subscriptions_upstream_junk_and_a_never_reading_subscriber_change_nothing(capfd):
+    """Before: a fake subscription (b"\\x011:x|") made every later spawn raise ValueError, junk sent up the
+    command socket was kept until the next spawn (512 MB), and a subscriber that never read made the
+    controller queue without bound (780 MB over 40 calls)."""
+    mesh = this_host().spawn_procs({"gpu": 2})
+    pids = worker_pids(mesh)
+    transport = get_controller().backend.transport
+    ctx = zmq.Context()
+    attacker = ctx.socket(zmq.XSUB)
+    attacker.setsockopt(zmq.RCVHWM, 1)  # and it never reads
+    attacker.connect(transport.cmd_addr)
+    for fake in (b"\x011:x|", b"\x01", b"\x01" + os.urandom(16), b"\x00", b"\x02not signed"):
+        attacker.send(fake)
+    junk = ctx.socket(zmq.PUSH)  # forged and garbage replies
+    junk.connect(transport.reply_addr)
+    try:
+        list(echo.on(mesh)(1))
+        before = _rss_mib()
+        for _ in range(20):
+            attacker.send(b"\x07" * (10 << 20), copy=False)  # 200 MB of junk up the command socket
+        for i in range(2000):
+            junk.send(b"x" * (i % 50))
+        for _ in range(40):  # 800 MB of arguments, each a fresh object: kept if queued for the attacker
+            assert list(echo.on(mesh)(b"\0" * (20 << 20))) == [20 << 20] * 2
+        time.sleep(1)  # the monitor drains the command socket twice a second
+        grew = _rss_mib() - before
+        assert grew < 300, f"the controller grew by {grew:.0f} MiB"
+        assert not attacker.poll(200), "the fake subscriber received a command"
+        again = this_host().spawn_procs({"gpu": 2})  # spawning still works
+        assert list(echo.on(again)(3)) == [3, 3]
+        again_pids = worker_pids(again)
+        again.exit()
+    finally:
+        ctx.destroy(0)
+        mesh.exit()
+    assert wait_gone(pids + again_pids) == []
+    err = capfd.readouterr().err
+    dropped = [ln for ln in err.splitlines() if "dropped" in ln]
+    assert any("subscription" in ln for ln in dropped) and any("junk" in ln for ln in dropped)
+    assert len(dropped) <= 12, f"{len(dropped)} lines about dropped messages (rate limit: one per kind per 5 s)"
+
+
+# -- replays -------------------------------------------------------------------------------------------
+@monarch.remote
+def note(path, text):
+    with open(path, "a") as f:
+        f.write(text + "\n")
+
+
+def test_a_replayed_command_is_refused(tmp_path, capfd, monkeypatch):
+    """A signed command sent again (by someone who captured it) must not run again."""
+    mesh = this_host().spawn_procs({"gpu": 2})
+    pids = worker_pids(mesh)
+    transport = get_controller().backend.transport
+    sent = []
+    real = transport._send_all
+    monkeypatch.setattr(transport, "_send_all", lambda *a: (sent.append(a), real(*a))[1])
+    path = str(tmp_path / "ran")
+    try:
+        note.on(mesh.slice(gpu=0))(path, "once")
+        monkeypatch.undo()
+        mesh_id, m, ranks, frames = sent[-1]
+        topic = m.rank_topics[ranks[0]] if ranks is not None else m.topic
+        with transport.send_lock:
+            transport.cmd.send(topic + frames[0], zmq.SNDMORE if len(frames) > 1 else 0)
+            if len(frames) > 1:
+                transport.cmd.send_multipart(frames[1:])
+        note.on(mesh.slice(gpu=0))(path, "later")  # after the replay, in order
+        with open(path) as f:
+            assert f.read().splitlines() == ["once", "later"]
+    finally:
+        mesh.exit()
+    assert wait_gone(pids) == []
+    captured = capfd.readouterr()
+    assert "dropped a replayed command" in captured.out + captured.err
+
+
+def test_a_replayed_reply_is_refused(capfd):
+    """A worker's signed message sent again up the reply socket is dropped, not taken as a new one."""
+    mesh = this_host().spawn_procs({"gpu": 1})
+    pids = worker_pids(mesh)
+    ctl = get_controller()
+    transport = ctl.backend.transport
+    key = transport._meshes[mesh._spawned.mesh_id].key
+    out = zmq.Context.instance().socket(zmq.PUSH)
+    out.connect(transport.reply_addr)
+    try:
+        list(echo.on(mesh)(1))
+        seen = transport._meshes[mesh._spawned.mesh_id].seen[0]
+        stale = wire.encode(key, mesh._spawned.mesh_id, 0, seen, protocol.pack(protocol.Output(None, "stdout", "X\n")))
+        out.send_multipart(stale)
+        list(echo.on(mesh)(2))
+        time.sleep(0.1)
+    finally:
+        out.close(0)
+        mesh.exit()
+    assert wait_gone(pids) == []
+    captured = capfd.readouterr()
+    assert "[gpu=0] X" not in captured.out and "dropped a replayed message" in captured.err
+
+
+# -- a frozen worker ---------------------------------------------------------------------------------
+@monarch.remote
+def nap(seconds):
+    time.sleep(seconds)
+
+
+def test_a_frozen_worker_is_reported_by_rank_and_its_mesh_stopped():
+    """A worker stopped with SIGSTOP answers nothing; calls would wait for ever. It is noticed (its process
+    state, checked twice a second) and named; the mesh's workers are stopped."""
+    mesh = this_host().spawn_procs({"gpu": 4})
+    pids = worker_pids(mesh)
+    fut = nap.on(mesh).call_async(60)
+    os.kill(pids[2], signal.SIGSTOP)
+    try:
+        with pytest.raises(WorkerDiedError) as e:
+            fut.result(timeout=60)
+        assert "rank 2 (gpu=2) of mesh {gpu: 4} is frozen: stopped (SIGSTOP" in str(e.value)
+        assert e.value.ranks == [2]
+        assert wait_gone(pids) == []
+    finally:
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert mesh.status() == ["stopped", "stopped", "failed", "stopped"]
+
+
+# -- a killed controller's leftovers -------------------------------------------------------------------
+def test_the_next_start_removes_what_a_killed_controller_left(tmp_path):
+    """A controller killed with SIGKILL cleans nothing: its socket directory and fork server's directory
+    stay. The next controller to start removes them (they name a process that is gone)."""
+    from monarch.runtime.backends.local import clean_stale_dirs, private_dir
+
+    root = tempfile.gettempdir()
+    child = os.fork()
+    if child == 0:  # a short-lived process that makes two directories as a controller does, then dies
+        private_dir("monarch-")
+        private_dir("monarch-mp-")
+        os._exit(0)
+    os.waitpid(child, 0)
+    left = []
+    for name in os.listdir(root):
+        if name.startswith("monarch-"):
+            try:
+                with open(os.path.join(root, name, "owner")) as f:
+                    if f.read().split()[0] == str(child):
+                        left.append(os.path.join(root, name))
+            except OSError:
+                pass
+    assert len(left) == 2
+    mine = private_dir("monarch-")  # ours, alive: kept
+    try:
+        removed = clean_stale_dirs()
+        assert set(left) <= set(removed) and not any(os.path.exists(p) for p in left)
+        assert os.path.isdir(mine)
+    finally:
+        import shutil
+
+        shutil.rmtree(mine, ignore_errors=True)
