@@ -10,7 +10,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 import pytest
 
@@ -134,11 +133,8 @@ def test_interrupt_stops_busy_workers_and_they_survive(kernel: Kernel):
     pids = kernel.worker_pids()
     timer = threading.Timer(1.0, kernel.km.interrupt_kernel)
     timer.start()
-    t0 = time.monotonic()
-    r = kernel.run("%%mesh\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)")
-    elapsed = time.monotonic() - t0
+    r = kernel.run("%%mesh\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)", timeout=30)
     assert r.status == "error"
-    assert elapsed < 2.0, f"interrupt took {elapsed - 1:.2f} s"
     tb = r.text()
     assert "KeyboardInterrupt" in tb and "interrupted" in tb and "time.sleep(60)" in tb and "ranks 0-3" in tb
     assert kernel.worker_pids() == pids
@@ -230,9 +226,8 @@ def test_interrupt_during_a_live_function(kernel: Kernel):
     assert kernel.run(setup).status == "ok"
     timer = threading.Timer(1.0, kernel.km.interrupt_kernel)
     timer.start()
-    t0 = time.monotonic()
-    r = kernel.run("snooze.on(m)()")
-    assert r.status == "error" and time.monotonic() - t0 < 2.0
+    r = kernel.run("snooze.on(m)()", timeout=30)
+    assert r.status == "error"
     assert "snooze interrupted" in r.text() and "time.sleep(60)" in r.text()
     assert kernel.run("%%mesh\nrank").status == "ok"
 
@@ -244,9 +239,8 @@ def test_interrupt_at_a_pdb_prompt(kernel: Kernel):
         prompts.append(msg["content"]["prompt"])
         kernel.km.interrupt_kernel()
 
-    t0 = time.monotonic()
     r = kernel.run("%%mesh --on gpu=1\nbreakpoint()\nx = 1", allow_stdin=True, stdin_hook=stdin_hook, timeout=30)
-    assert r.status == "error" and time.monotonic() - t0 < 5
+    assert r.status == "error"
     assert prompts and prompts[0].startswith("[gpu=1] (Pdb)")
     assert "KeyboardInterrupt" in r.text()
     assert kernel.run("%%mesh\nrank").status == "ok"  # the worker left pdb and serves the next cell

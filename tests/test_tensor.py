@@ -298,7 +298,7 @@ def test_to_mesh_between_spawned_meshes(mesh):
         other.exit()
 
 
-def test_move_to_a_mesh_that_dies_before_taking_it_does_not_stall_the_sender(mesh):
+def test_move_to_a_mesh_that_dies_before_taking_it_does_not_stall_the_sender(mesh, capfd):
     """The receiving mesh is busy, then killed, before its workers reach the move: the sending
     workers give up on the link as soon as the controller marks that mesh gone, and keep serving."""
     from monarch.actor import this_host
@@ -317,12 +317,12 @@ def test_move_to_a_mesh_that_dies_before_taking_it_does_not_stall_the_sender(mes
         with mesh.activate():
             after = x + 1  # queued behind the send on every worker of `mesh`
         time.sleep(0.3)
-        t0 = time.monotonic()
         os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(Exception, match="rank 1"):
             busy.result(timeout=10)
         assert monarch.inspect(after).tolist() == [2.0, 2.0, 2.0]
-        assert time.monotonic() - t0 < 10  # not the store's 60 s
+        # the senders gave up because the controller marked the mesh gone (not after the group timeout)
+        assert "the other mesh stopped or failed before it took its side of the move" in capfd.readouterr().err
         assert wait_gone(pids, 5) == []
     finally:
         other.exit()
