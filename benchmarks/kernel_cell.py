@@ -20,7 +20,7 @@ import tempfile
 import time
 import uuid
 
-from run import ensure_ipyparallel, header, print_rows  # benchmarks/run.py, next to this file
+from run import before_env, ensure_ipyparallel, header, print_rows  # benchmarks/run.py, next to this file
 
 N_CELLS = 200
 WORKERS = 8
@@ -111,11 +111,15 @@ def _gone(before: dict[int, str], marker: bytes | None, wait: float = 15) -> lis
     return names
 
 
-def _side(kernel_name: str, setup: list[str], cell: str, teardown: str | None, n: int, marker: bytes | None) -> dict:
+def _side(
+    kernel_name: str, setup: list[str], cell: str, teardown: str | None, n: int, marker: bytes | None, env=None
+) -> dict:
     from jupyter_client.manager import start_new_kernel
 
     # run outside the checkout, so that `import monarch` means the installed package
-    km, kc = start_new_kernel(kernel_name=kernel_name, startup_timeout=120, cwd=tempfile.gettempdir())
+    km, kc = start_new_kernel(
+        kernel_name=kernel_name, startup_timeout=120, cwd=tempfile.gettempdir(), **({"env": env} if env else {})
+    )
     before: dict[int, str] = {}
     try:
         first = sum(run_cell(kc, code, timeout=300) for code in setup)  # starts the workers, runs the first cell
@@ -132,7 +136,7 @@ def _side(kernel_name: str, setup: list[str], cell: str, teardown: str | None, n
             "leftover": leftover}  # fmt: skip
 
 
-def measure(n: int = N_CELLS) -> dict:
+def measure(n: int = N_CELLS, before: str | None = None) -> dict:
     """Both sides' figures (seconds): first (start of the workers + first cell), median, p90; leftover processes."""
     ensure_ipyparallel()
     cid = f"kernel-cell-bench-{uuid.uuid4().hex[:8]}"
@@ -145,11 +149,12 @@ def measure(n: int = N_CELLS) -> dict:
         f"rc.activate()"
     )
     stop_ipp = "rc.close()\ncluster.stop_cluster_sync()"
-    return {
-        "monarch": _side("monarch", [mesh], mesh, None, n, None),
-        "ipyparallel": _side("python3", [start_ipp, "%%px\nx = 1"], "%%px\nx = 1", stop_ipp, n,
-                             f"IPP_CLUSTER_ID={cid}".encode()),
-    }  # fmt: skip
+    results = {"monarch": _side("monarch", [mesh], mesh, None, n, None)}
+    if before:
+        results["monarch before"] = _side("monarch", [mesh], mesh, None, n, None, before_env(before))
+    results["ipyparallel"] = _side("python3", [start_ipp, "%%px\nx = 1"], "%%px\nx = 1", stop_ipp, n,
+                                   f"IPP_CLUSTER_ID={cid}".encode())  # fmt: skip
+    return results
 
 
 def report(results: dict, n: int) -> None:

@@ -3,6 +3,8 @@
     ./run bench                 # installs ipyparallel if missing, measures both, prints ratios
     TORCHMONARCH_PYTHON=/path/to/venv/bin/python ./run bench   # adds Meta's Monarch (own venv:
                                 # its import name is also `monarch`)
+    ./run bench --before REV    # adds this project at git revision REV ("monarch before"), installed
+                                # beside the checkout, measured in the same run (a change's before/after)
 
 Each figure comes from fresh processes in this run; ratios are peer / monarch (higher is better).
 """
@@ -110,6 +112,31 @@ TORCHMONARCH = textwrap.dedent(
 )
 
 
+def before_env(site: str | None) -> dict | None:
+    """The environment that makes `import monarch` the earlier copy installed in `site` (None: this one)."""
+    if not site:
+        return None
+    env = dict(os.environ)
+    env["PYTHONPATH"] = site + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def install_before(rev: str) -> str:
+    """Install this repository's monarch at git revision `rev` into a directory of its own; return it."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    site = os.path.join(tempfile.gettempdir(), f"monarch-before-{rev}")
+    if not os.path.isdir(os.path.join(site, "monarch")):
+        tree = tempfile.mkdtemp(prefix="bench-before-")
+        subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", "-q", tree, rev], check=True)
+        try:
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", site, tree],
+                           check=True)  # fmt: skip
+        finally:
+            subprocess.run(["git", "-C", repo, "worktree", "remove", "--force", tree], check=False)
+    print(f"monarch before: revision {rev}, installed in {site}")
+    return site
+
+
 def measure(python: str, code: str, env: dict | None = None) -> dict | None:
     src = f"N = {N}\nROUND_TRIPS = {ROUND_TRIPS}\n" + code
     # run outside the checkout, so that `import monarch` means the installed package of that Python
@@ -160,7 +187,11 @@ def header() -> None:
 def main() -> None:
     ensure_ipyparallel()
     print(f"machine: {machine()}")
-    results = {"monarch": measure(sys.executable, MONARCH), "ipyparallel": measure(sys.executable, IPYPARALLEL)}
+    before = install_before(sys.argv[sys.argv.index("--before") + 1]) if "--before" in sys.argv else None
+    results = {"monarch": measure(sys.executable, MONARCH)}
+    if before:
+        results["monarch before"] = measure(sys.executable, MONARCH, before_env(before))
+    results["ipyparallel"] = measure(sys.executable, IPYPARALLEL)
     tm = os.environ.get("TORCHMONARCH_PYTHON")
     if tm:
         results["torchmonarch"] = measure(tm, TORCHMONARCH)
@@ -175,11 +206,15 @@ def main() -> None:
     if "--no-kernel" not in sys.argv:
         import kernel_cell
 
-        kernel_cell.report(kernel_cell.measure(kernel_cell.N_CELLS), kernel_cell.N_CELLS)
+        kernel_cell.report(kernel_cell.measure(kernel_cell.N_CELLS, before), kernel_cell.N_CELLS)
     if "--no-tensors" not in sys.argv:
         import tensor_engine
 
-        tensor_engine.report(tensor_engine.measure())
+        tensor_engine.report(tensor_engine.measure(before=before))
+    if "--no-faults" not in sys.argv:
+        import faults
+
+        faults.report(faults.measure(before))
 
 
 if __name__ == "__main__":

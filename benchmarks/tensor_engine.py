@@ -152,13 +152,13 @@ def _script(spawn: str, reduce: str, ops: int, inspects: int, reduces: int) -> s
     return head + body
 
 
-def _run_side(python: str, src: str, timeout: float = 600) -> dict | None:
+def _run_side(python: str, src: str, timeout: float = 600, env: dict | None = None) -> dict | None:
     """Run `src` with `python` outside the checkout (so `import monarch` is that Python's package)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from kernel_cell import _gone  # benchmarks/kernel_cell.py, next to this file
 
     tag = uuid.uuid4().hex[:12]
-    env = {**os.environ, "TENSOR_ENGINE_BENCH": tag}
+    env = {**(env or os.environ), "TENSOR_ENGINE_BENCH": tag}
     marker = f"TENSOR_ENGINE_BENCH={tag}"
     try:
         r = subprocess.run(
@@ -216,11 +216,16 @@ def measure_gloo(reduces: int = REDUCES) -> dict:
     return out
 
 
-def measure(ops: int = OPS, inspects: int = INSPECTS, reduces: int = REDUCES) -> dict:
+def measure(ops: int = OPS, inspects: int = INSPECTS, reduces: int = REDUCES, before: str | None = None) -> dict:
     """Figures per side (seconds; ops per second): monarch, gloo, and torchmonarch when TORCHMONARCH_PYTHON is set."""
     results: dict = {}
     results["monarch"] = _run_side(sys.executable, _script(MONARCH_SPAWN, MONARCH_REDUCE, ops, inspects, reduces))
     assert results["monarch"] is not None, "monarch's tensor-engine benchmark failed"
+    if before:
+        from run import before_env
+
+        script = _script(MONARCH_SPAWN, MONARCH_REDUCE, ops, inspects, reduces)
+        results["monarch before"] = _run_side(sys.executable, script, env=before_env(before))
     results["gloo"] = measure_gloo(reduces)
     tm = os.environ.get("TORCHMONARCH_PYTHON")
     if tm:
