@@ -109,7 +109,10 @@ IN_PROCESS = textwrap.dedent(
         out["frozen"] = None
     except Exception as e:
         out["frozen"] = None if "Timeout" in type(e).__name__ else time.perf_counter() - t0
-    os.kill(pid, signal.SIGKILL)
+    try:
+        os.kill(pid, signal.SIGKILL)  # (already killed, where the mesh noticed it was frozen)
+    except ProcessLookupError:
+        pass
     mesh.exit()
     print(json.dumps(out), flush=True)
     """

@@ -115,3 +115,15 @@ def test_nccl_all_reduce_on_gpus():
         assert {s for _, s, _ in res} == {float(sum(range(n)))}
     finally:
         mesh.exit()
+
+
+def test_exit_lets_every_worker_finish_by_itself():
+    """`exit()` asks the workers to stop; each closes its groups and sockets and exits with status 0 (not
+    killed after the grace period: a socket left open would have kept it waiting)."""
+    from monarch.actor import this_host
+
+    mesh = this_host().spawn_procs({"host": 2, "gpu": 2})
+    group = mesh.process_group("gpu")  # a group made later, and the store connections behind it
+    assert [s for s, _ in all_reduce_rank.on(mesh)(group)] == [1.0, 1.0, 5.0, 5.0]
+    mesh.exit()
+    assert mesh._spawned.exit_codes == {0: 0, 1: 0, 2: 0, 3: 0}

@@ -59,8 +59,9 @@ class Backend(ABC):
         """Raise KeyboardInterrupt in call `call_id` on `ranks` (a worker busy with another call skips it)."""
 
     @abstractmethod
-    def stop(self, mesh_id: int, graceful: bool) -> None:
-        """Stop a mesh's workers (asking first when `graceful`, then killing) and wait until they are gone."""
+    def stop(self, mesh_id: int, graceful: bool) -> dict[int, int | None]:
+        """Stop a mesh's workers (asking first when `graceful`, then killing) and wait until they are gone;
+        returns each worker's exit status (0: it exited when asked; negative: killed by that signal)."""
 
     @abstractmethod
     def kill(self, mesh_id: int) -> None:
@@ -69,10 +70,6 @@ class Backend(ABC):
     @abstractmethod
     def mark_gone(self, mesh_id: int) -> None:
         """Tell workers of other meshes that wait to meet one of this mesh's that it will not come."""
-
-    @abstractmethod
-    def exit_codes(self, mesh_id: int) -> dict[int, int | None]:
-        """Exit status of each worker that has exited."""
 
     @abstractmethod
     def close(self) -> None:

@@ -178,10 +178,6 @@ class LocalBackend(Backend):
     def mark_gone(self, mesh_id: int) -> None:
         self.store.set(groups.gone_key(mesh_id), b"1")
 
-    def exit_codes(self, mesh_id: int) -> dict[int, int | None]:
-        mesh = self.meshes.get(mesh_id)
-        return dict(mesh.exitcodes) if mesh is not None else {}
-
     # -- stopping --------------------------------------------------------------------------------------
     def kill(self, mesh_id: int) -> None:
         mesh = self.meshes.get(mesh_id)
@@ -195,10 +191,10 @@ class LocalBackend(Backend):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signal.SIGKILL)
 
-    def stop(self, mesh_id: int, graceful: bool) -> None:
+    def stop(self, mesh_id: int, graceful: bool) -> dict[int, int | None]:
         mesh = self.meshes.get(mesh_id)
         if mesh is None:
-            return
+            return {}
         mesh.running = False
         if graceful:
             self.send(mesh_id, None, protocol.Exit())
@@ -206,6 +202,7 @@ class LocalBackend(Backend):
             self._kill(mesh)
             mesh.all_exited.wait(2)
         self._forget(mesh_id)
+        return dict(mesh.exitcodes)
 
     def _forget(self, mesh_id: int) -> None:
         with self._changed:

@@ -259,13 +259,11 @@ class ControllerTransport:
         self.store = self._socket(zmq.ROUTER, sndhwm=settings.send_hwm, rcvhwm=REPLY_HWM)
         self.store.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if settings.transport == "ipc":
-            self.host = "127.0.0.1"
             for sock, name in ((self.cmd, "cmd"), (self.reply, "reply"), (self.store, "store")):
                 sock.bind(f"ipc://{directory}/{name}")
         else:
-            self.host = settings.bind_addr
             for sock in (self.cmd, self.reply, self.store):
-                sock.bind(f"tcp://{self.host}:0")
+                sock.bind(f"tcp://{settings.bind_addr}:0")
         self.cmd_addr, self.reply_addr, self.store_addr = (
             s.getsockopt_string(zmq.LAST_ENDPOINT) for s in (self.cmd, self.reply, self.store)
         )
@@ -280,8 +278,8 @@ class ControllerTransport:
         self._meshes: dict[int, _Mesh] = {}
         self._topics: dict[bytes, tuple[int, int]] = {}
         """Topic -> (mesh id, rank), rank -1 for a mesh's own topic."""
-        self._store_seen: dict[bytes, int] = {}
-        """Store connection -> sequence number of its last request."""
+        self._store_seen: dict[bytes, tuple[int, int]] = {}
+        """Store connection -> (its mesh, the sequence number of its last request)."""
         self._rcvtimeo = -1
         self.log = RateLimitedLog("monarch")
         self.closed = False
@@ -322,6 +320,9 @@ class ControllerTransport:
             if mesh is not None:
                 for t in (mesh.topic, *mesh.rank_topics):
                     self._topics.pop(t, None)
+                for ident, (m, _) in list(self._store_seen.items()):
+                    if m == mesh_id:
+                        del self._store_seen[ident]
         if mesh is not None and self.curve is not None:
             self.curve.clients.discard(mesh.client_public)
 
@@ -439,9 +440,12 @@ class ControllerTransport:
     def read_cmd(self) -> list[wire.Envelope]:
         """What came up the command socket: subscriptions to our topics are applied (others ignored),
         start-up messages (`Ready`, `StartFailed`) returned, anything else dropped. Call it when `cmd_fd`
-        is readable, and now and then (any send may consume the fd's edge); it re-arms the fd."""
+        is readable, and now and then (any send may consume the fd's edge); it re-arms the fd. Returns
+        nothing at once when a sender holds the socket (one waiting for a full queue, say): call again."""
         out = []
-        with self.send_lock:
+        if not self.send_lock.acquire(timeout=0.05):
+            return out
+        try:
             if self.closed:
                 return out
             cmd = self.cmd
@@ -456,16 +460,20 @@ class ControllerTransport:
                     if len(frames) != 1 or kind not in (b"\x00", b"\x01") or len(first) > 1 + TOPIC:
                         self.log("junk", f"{len(first)} bytes came up the command socket")
                         continue
+                    if kind == b"\x00":
+                        continue  # an unsubscription (libzmq makes them when a worker's connection closes)
                     topic = bytes(first[1:])
                     if topic not in self._topics:
                         self.log("a subscription", f"a {len(topic)}-byte topic that is not one of a running mesh's")
-                    elif kind == b"\x01":
+                    else:
                         cmd.setsockopt(zmq.SUBSCRIBE, topic)  # (applies to the connection it came on)
                     continue
                 frames[0] = frames[0].buffer[1:]
                 env = self._verify(frames)
                 if env is not DROPPED:
                     out.append(env)
+        finally:
+            self.send_lock.release()
 
     @property
     def cmd_fd(self) -> int:
@@ -491,10 +499,10 @@ class ControllerTransport:
                 self.log("a store request", f"it names no running mesh and rank ({mesh_id}, {rank})")
                 return DROPPED
             env = wire.decode(mesh.key, frames)
-            if env.seq <= self._store_seen.get(ident, 0):
+            if env.seq <= self._store_seen.get(ident, (mesh_id, 0))[1]:
                 self.log("a replayed store request", f"number {env.seq} from rank {rank} of mesh {mesh_id}")
                 return DROPPED
-            self._store_seen[ident] = env.seq
+            self._store_seen[ident] = (mesh_id, env.seq)
             env.message = protocol.unpack(env.message)
             return ident, env
         except (wire.BadSignature, ValueError) as e:
@@ -513,9 +521,6 @@ class ControllerTransport:
             self.store.send_multipart([ident, *frames], _NOBLOCK)
         except (zmq.Again, zmq.ZMQError):
             pass  # a client that is gone, or not reading: it times out on its side
-
-    def forget_store_client(self, ident: bytes) -> None:
-        self._store_seen.pop(ident, None)
 
     def close(self) -> None:
         with self.send_lock:
@@ -581,13 +586,16 @@ class WorkerTransport:
 
     def recv(self) -> wire.Envelope | None:
         """The next command (blocks); None for one that failed its checks (logged)."""
-        frames = self.cmd.recv_multipart(copy=False)
-        frames[0] = frames[0].buffer[TOPIC:]
+        cmd = self.cmd
+        frame = cmd.recv(copy=False)
+        frames = [frame.buffer[TOPIC:]]
+        while frame.more:
+            frame = cmd.recv(copy=False)
+            frames.append(frame)
         try:
-            mesh_id, rank = wire.sender(frames)
-            if mesh_id != self.keys.mesh_id or rank != wire.CONTROLLER:
-                raise ValueError(f"it claims to come from ({mesh_id}, {rank})")
-            env = wire.decode(self.keys.key, frames)
+            env = wire.decode(self.keys.key, frames)  # (our mesh's key: a message signed with it is ours)
+            if env.mesh_id != self.keys.mesh_id or env.rank != wire.CONTROLLER:
+                raise ValueError(f"it claims to come from ({env.mesh_id}, {env.rank})")
             if env.seq <= self._seen:
                 self.log("a replayed command", f"number {env.seq} was already taken")
                 return None
@@ -603,9 +611,10 @@ class WorkerTransport:
         return StoreConnection(self)
 
     def close(self) -> None:
-        self.out.close()
-        self.cmd.close()
-        self.ctx.term()
+        """Close every socket (the store connections of other threads too), after sending what is queued
+        (up to 5 s)."""
+        self.out.close(linger=5000)
+        self.ctx.destroy(linger=0)  # closes the rest, then waits for the output socket
 
 
 class StoreConnection:

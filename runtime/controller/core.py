@@ -165,16 +165,13 @@ class Controller:
         except Exception:  # the store is ours and local: this is not expected, and not fatal
             traceback.print_exc(file=sys.__stderr__)
 
-    def exit_codes(self, mesh: SpawnedMesh) -> dict[int, int | None]:
-        return self.backend.exit_codes(mesh.mesh_id)
-
     def stop(self, mesh: SpawnedMesh) -> None:
         """Stop a mesh's workers: ask them to exit, kill those that do not. Idempotent."""
         if mesh.state == "stopped":
             return
         was_running = mesh.state == "running"
         mesh.state = "stopping"
-        self.backend.stop(mesh.mesh_id, graceful=was_running)
+        mesh.exit_codes = self.backend.stop(mesh.mesh_id, graceful=was_running)
         for pending in list(self.calls.values()):
             if pending.mesh is mesh:
                 self._fail(pending, RuntimeError(f"mesh {mesh.shape.describe()} was stopped during the call"))

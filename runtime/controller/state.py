@@ -35,6 +35,8 @@ class SpawnedMesh:
     """Rank partition -> group id."""
     engine: Any = None
     """The tensor engine's controller half, once `activate()` was used."""
+    exit_codes: dict[int, int | None] = field(default_factory=dict)
+    """Once stopped: each worker's exit status (0 when it exited as asked)."""
 
     @property
     def size(self) -> int:

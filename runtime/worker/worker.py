@@ -40,6 +40,7 @@ class Worker:
         self.rank: int = cfg.keys.rank
         self.mesh_id: int = cfg.keys.mesh_id
         self.transport = WorkerTransport(cfg.keys)
+        self._send = self.transport.send
         self.call_id: int | None = None
         self.in_user_code = False
         self.fns: dict[int, Any] = {}
@@ -77,7 +78,7 @@ class Worker:
 
     def send(self, message: Any, body: list | None = None) -> None:
         """Send a message to the controller (any thread)."""
-        self.transport.send(message, body)
+        self._send(message, body)
 
     # -- start-up ----------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -229,7 +230,7 @@ class Worker:
             except Exception as e:
                 ok, value = False, _describe(e, f"the result ({type(value).__name__}) cannot be pickled: ")
         self.output.flush()
-        self.send(protocol.Reply(call_id, ok), body if ok else wire.dumps(value))
+        self._send(protocol.Reply(call_id, ok), body if ok else wire.dumps(value))
         self.call_id = None
         self.cancelled.discard(call_id)
 
