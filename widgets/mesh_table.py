@@ -73,11 +73,11 @@ class MeshTableWidget(StaticFallbackWidget):
             if w is None:
                 stop()
             else:
-                w._schedule()
+                w.schedule_refresh()
 
         stop = mesh.on_change(changed)
 
-    def _schedule(self) -> None:
+    def schedule_refresh(self) -> None:
         """Coalesce bursts of changes into at most ~10 updates a second."""
         with self._lock:
             if self._pending:
