@@ -124,7 +124,7 @@ def before_env(site: str | None) -> dict | None:
 def install_before(rev: str) -> str:
     """Install this repository's monarch at git revision `rev` into a directory of its own; return it."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    site = os.path.join(tempfile.gettempdir(), f"monarch-before-{rev}")
+    site = os.path.join(tempfile.gettempdir(), f"bench-before-{rev}")
     if not os.path.isdir(os.path.join(site, "monarch")):
         tree = tempfile.mkdtemp(prefix="bench-before-")
         subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", "-q", tree, rev], check=True)

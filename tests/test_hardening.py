@@ -342,11 +342,15 @@ def test_the_next_start_removes_what_a_killed_controller_left(tmp_path):
                 pass
     assert len(left) == 2
     mine = private_dir("monarch-")  # ours, alive: kept
+    users = tempfile.mkdtemp(prefix="monarch-")  # named like ours but without an owner file: not ours
+    old = time.time() - 3600
+    os.utime(users, (old, old))
     try:
         removed = clean_stale_dirs()
         assert set(left) <= set(removed) and not any(os.path.exists(p) for p in left)
-        assert os.path.isdir(mine)
+        assert os.path.isdir(mine) and os.path.isdir(users)
     finally:
         import shutil
 
         shutil.rmtree(mine, ignore_errors=True)
+        shutil.rmtree(users, ignore_errors=True)

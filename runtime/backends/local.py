@@ -361,7 +361,8 @@ def private_dir(prefix: str) -> str:
 
 def clean_stale_dirs(root: str | None = None) -> list[str]:
     """Remove our directories (sockets, fork server address) left by processes that are gone (a
-    controller killed with SIGKILL cleans nothing); returns what was removed."""
+    controller killed with SIGKILL cleans nothing); returns what was removed. Only directories of this
+    user with an owner file naming a process that no longer runs are ours to remove."""
     root = root or tempfile.gettempdir()
     removed = []
     try:
@@ -380,10 +381,7 @@ def clean_stale_dirs(root: str | None = None) -> list[str]:
                 pid_text, start = f.read().split()
             if _start_time(int(pid_text)) == start:
                 continue  # its owner still runs
-        except FileNotFoundError:
-            if time.time() - st.st_mtime < 60:
-                continue  # being made right now, perhaps
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # no owner file: not ours (or being made right now)
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
