@@ -55,12 +55,13 @@ _ENV = {
 
 
 def _number(var: str, text: str, kind: type, minimum: float) -> float | int:
+    what = "an integer" if kind is int else "a number"
     try:
         value = kind(text)
     except ValueError:
-        raise ValueError(f"{var}={text!r} is not a number; give a {kind.__name__} >= {minimum}") from None
+        raise ValueError(f"{var}={text!r} is not {what}; give {what} >= {minimum}") from None
     if value < minimum:
-        raise ValueError(f"{var}={text!r} is too small; give a {kind.__name__} >= {minimum}")
+        raise ValueError(f"{var}={text!r} is too small; give {what} >= {minimum}")
     return value
 
 

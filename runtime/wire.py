@@ -23,6 +23,7 @@ import pickle
 import struct
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,10 @@ OOB_MIN_BYTES = 4096
 
 class BadSignature(Exception):
     """A message whose signature does not match; it is dropped unread."""
+
+
+class UnknownSender(BadSignature):
+    """A message that names a sender we hold no key for; it is dropped unread."""
 
 
 SIG = 32
@@ -217,21 +222,19 @@ def _view(f) -> memoryview:
     return f.buffer if hasattr(f, "buffer") else memoryview(f)  # a zmq.Frame, or bytes
 
 
-def sender(frames: list) -> tuple[int, int]:
-    """``(mesh id, rank)`` a message claims to come from, read before its signature is checked (to pick
-    the key that checks it); `BadSignature` if it is too short to be a message."""
+def decode(key: bytes | Callable[[int, int], bytes | None], frames: list) -> Envelope:
+    """Check the signature, then unpickle the message (its body stays bytes). Nothing is unpickled before.
+
+    `key` is the key, or a function of the claimed sender ``(mesh id, rank)`` that gives it (None: a sender
+    we do not know, `UnknownSender`)."""
     first = _view(frames[0])
     if len(first) < _FIXED:
         raise BadSignature(f"a {len(first)}-byte message is too short to be signed")
-    mesh_id, rank, _, _ = _ENVELOPE.unpack_from(first, SIG)
-    return mesh_id, rank
-
-
-def decode(key: bytes, frames: list) -> Envelope:
-    """Check the signature, then unpickle the message (its body stays bytes). Nothing is unpickled before."""
-    first = _view(frames[0])
-    if len(first) < _FIXED:
-        raise BadSignature(f"a {len(first)}-byte message is too short to be signed")
+    mesh_id, rank, seq, n = _ENVELOPE.unpack_from(first, SIG)
+    if type(key) is not bytes:
+        key = key(mesh_id, rank)
+        if key is None:
+            raise UnknownSender(f"it names no running mesh and rank ({mesh_id}, {rank})")
     if len(frames) == 1:
         bufs = []
         mac = _sign(key, [first[SIG:]])
@@ -240,5 +243,4 @@ def decode(key: bytes, frames: list) -> Envelope:
         mac = _sign(key, [first[SIG:], *bufs])
     if not _compare(first[:SIG], mac):
         raise BadSignature(f"bad signature on a {len(first)}-byte message")
-    mesh_id, rank, seq, n = _ENVELOPE.unpack_from(first, SIG)
     return Envelope(mesh_id, rank, seq, pickle.loads(first[_FIXED : _FIXED + n]), first[_FIXED + n :], bufs)

@@ -388,39 +388,49 @@ class ControllerTransport:
             first = self.reply.recv(0 if block else _NOBLOCK, copy=False)
         except zmq.Again:
             return None
-        if not first.more:
-            if not len(first):
-                return POKE
-            frames = [first]
-        else:
-            frames = [first]
-            while frames[-1].more:
-                frames.append(self.reply.recv(copy=False))
-        return self._verify(frames)
+        return self._whole(first)
 
     def poll_briefly(self, seconds: float) -> Any:
         """Like `recv(block=False)`, trying for up to `seconds` (yielding the CPU between tries)."""
+        reply = self.reply
         end = time.perf_counter() + seconds
         while True:
-            got = self.recv(False)
-            if got is not None or time.perf_counter() > end:
-                return got
-            os.sched_yield()  # anyone runnable here goes first
+            try:
+                return self._whole(reply.recv(_NOBLOCK, copy=False))
+            except zmq.Again:
+                if time.perf_counter() > end:
+                    return None
+                os.sched_yield()  # anyone runnable here goes first
+
+    def _whole(self, first: zmq.Frame) -> Any:
+        if not first.more:
+            if not len(first):
+                return POKE
+            return self._verify([first])
+        frames = [first]
+        while frames[-1].more:
+            frames.append(self.reply.recv(copy=False))
+        return self._verify(frames)
+
+    def _key_of(self, mesh_id: int, rank: int) -> bytes | None:
+        mesh = self._meshes.get(mesh_id)
+        return mesh.key if mesh is not None and 0 <= rank < len(mesh.seen) else None
 
     def _verify(self, frames: list) -> Any:
         try:
-            mesh_id, rank = wire.sender(frames)
-            mesh = self._meshes.get(mesh_id)
-            if mesh is None or not 0 <= rank < len(mesh.rank_topics):
-                self.log("a message", f"it names no running mesh and rank ({mesh_id}, {rank})")
+            env = wire.decode(self._key_of, frames)
+            mesh = self._meshes.get(env.mesh_id)
+            if mesh is None:
+                return DROPPED  # stopped meanwhile
+            seen = mesh.seen
+            if env.seq <= seen[env.rank]:
+                self.log("a replayed message", f"rank {env.rank} of mesh {env.mesh_id} already sent number {env.seq}")
                 return DROPPED
-            env = wire.decode(mesh.key, frames)
-            if env.seq <= mesh.seen[rank]:
-                self.log("a replayed message", f"rank {rank} of mesh {mesh_id} already sent number {env.seq}")
-                return DROPPED
-            mesh.seen[rank] = env.seq
+            seen[env.rank] = env.seq
             env.message = protocol.unpack(env.message)
             return env
+        except wire.UnknownSender as e:
+            self.log("a message", str(e))
         except (wire.BadSignature, ValueError) as e:
             self.log("a message", f"it failed its checks: {e}")
         except Exception as e:  # a header that is not ours (it was signed, so this is a bug)
@@ -493,16 +503,13 @@ class ControllerTransport:
             return None
         ident, frames = frames[0].bytes, frames[1:]
         try:
-            mesh_id, rank = wire.sender(frames) if frames else (None, None)
-            mesh = self._meshes.get(mesh_id)
-            if mesh is None or not 0 <= rank < len(mesh.rank_topics):
-                self.log("a store request", f"it names no running mesh and rank ({mesh_id}, {rank})")
+            if not frames:
+                raise wire.BadSignature("an empty message")
+            env = wire.decode(self._key_of, frames)
+            if env.seq <= self._store_seen.get(ident, (env.mesh_id, 0))[1]:
+                self.log("a replayed store request", f"number {env.seq} from rank {env.rank} of mesh {env.mesh_id}")
                 return DROPPED
-            env = wire.decode(mesh.key, frames)
-            if env.seq <= self._store_seen.get(ident, (mesh_id, 0))[1]:
-                self.log("a replayed store request", f"number {env.seq} from rank {rank} of mesh {mesh_id}")
-                return DROPPED
-            self._store_seen[ident] = (mesh_id, env.seq)
+            self._store_seen[ident] = (env.mesh_id, env.seq)
             env.message = protocol.unpack(env.message)
             return ident, env
         except (wire.BadSignature, ValueError) as e:
