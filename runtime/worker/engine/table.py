@@ -11,6 +11,7 @@ import torch
 
 from monarch.runtime import context
 from monarch.runtime.protocol import Ref
+from monarch.runtime.worker.engine.streams import sync_streams
 
 table: dict[int, Any] = {}
 _warned_cuda = False
@@ -89,8 +90,6 @@ def store(ids: Any, value: Any) -> None:
 
 def fetch(ref_id: int) -> torch.Tensor:
     """This worker's value of a tensor (called by reference from `monarch.inspect`)."""
-    from monarch.runtime.worker.engine.streams import sync_streams
-
     sync_streams()
     v = table.get(ref_id)
     if isinstance(v, Poison):
