@@ -51,6 +51,7 @@ class MeshMagics(Magics):
         opts = _parse_cell_args(line)
         view = self._target(opts)
         self.current = view
+        _refuse_if_busy(view)
         blocking = not opts["noblock"]
         if opts["group"] == "rank" and self.widgets:
             from monarch.widgets.rank_output import RankOutput
@@ -64,7 +65,8 @@ class MeshMagics(Magics):
         no_stdin = None if blocking else "the cell runs with --noblock, so nothing waits to answer"
         if not blocking and isinstance(output, RankAreas):
             output.show_now()  # in this cell, before it returns
-        future = cells.run_cell(view, cell, filename, output=output, no_stdin=no_stdin)
+        # one line down: the editor's line 1 is the %%mesh line, so tracebacks and pdb count as it does
+        future = cells.run_cell(view, "\n" + cell, filename, output=output, no_stdin=no_stdin)
         run = CellRun(future, output, view, blocking)
         if opts["save"]:
             self.shell.user_ns[opts["save"]] = run
@@ -185,6 +187,24 @@ class MeshMagics(Magics):
             raise UsageError(f"%mesh push: {', '.join(missing)} not defined in this notebook")
         cells.push(view, {n: self.shell.user_ns[n] for n in rest})
         return None
+
+
+def _refuse_if_busy(view: Any) -> None:
+    """Ranks still running an earlier call would make this cell wait for them, silently: say so instead."""
+    busy = view.busy(ask=0.3)
+    if not busy:
+        return
+    from monarch.runtime.errors import MeshBusyError
+
+    ranks = sorted({r for b in busy for r in b.ranks})
+    who = f"rank {ranks[0]} is" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} are"
+    lines = [f"%%mesh: this cell was not started: {who} still running an earlier call on mesh {view.describe()}:"]
+    lines += ["  " + line for b in busy for line in b.describe().splitlines()]
+    lines.append(
+        "Wait for them (a --noblock cell's handle: .result()), interrupt them (Kernel > Interrupt), or start "
+        "a new mesh with %mesh restart (the workers' namespaces are lost)."
+    )
+    raise MeshBusyError("\n".join(lines))
 
 
 def _describe(sizes: dict[str, int]) -> str:

@@ -30,33 +30,69 @@ class Failure:
         return f"ranks {format_ranks(self.ranks)}"
 
 
+@dataclass
+class Release:
+    """A rank taken out of a collective it waited in for a rank that had failed."""
+
+    rank: int
+    label: str
+    collective: str
+    """The torch.distributed function, e.g. ``"all_reduce"``."""
+    where: str
+    """The user's line that called it."""
+    user_groups: int
+    """Process groups user code made on that rank, torn down with it."""
+
+
 class RemoteError(Exception):
     """Raised on the controller when code on one or more workers failed.
 
     `failures` holds one `Failure` per distinct traceback, with the ranks that produced it, so
-    an error that all eight ranks raised is shown once.
+    an error that all eight ranks raised is shown once. `released` lists the ranks that were taken out
+    of a collective they waited in for a failed rank (their process groups are re-formed before the next
+    call on the mesh).
     """
 
-    def __init__(self, what: str, failures: list[Failure], total: int):
+    def __init__(self, what: str, failures: list[Failure], total: int, released: list[Release] | None = None):
         self.what = what
         self.failures = failures
         self.total = total
+        self.released = list(released or [])
         super().__init__(self._text())
 
     @property
     def ranks(self) -> list[int]:
+        """The ranks that failed (not those released from a collective)."""
         return sorted(r for f in self.failures for r in f.ranks)
 
     def _text(self) -> str:
         n = sum(len(f.ranks) for f in self.failures)
-        return _describe(f"{self.what} failed on {n} of {self.total} ranks", self.failures)
+        text = _describe(f"{self.what} failed on {n} of {self.total} ranks", self.failures)
+        by_place: dict[tuple[str, str], list[int]] = {}
+        for r in self.released:
+            by_place.setdefault((r.collective, r.where), []).append(r.rank)
+        for (collective, where), ranks in by_place.items():
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+            was = "was" if len(ranks) == 1 else "were"
+            text += (
+                f"\n\n{who} {was} released from {collective} at {where}: it waited for the failed rank"
+                f"{'s' if n > 1 else ''}. The mesh's process groups are made again before its next call."
+            )
+        user = max((r.user_groups for r in self.released), default=0)
+        if user:
+            text += (
+                f"\n{user} process group{'s' if user > 1 else ''} made in your code (dist.new_group, "
+                "init_device_mesh, ...) could not be kept: run the code that makes "
+                f"{'them' if user > 1 else 'it'} again."
+            )
+        return text
 
     def _render_traceback_(self) -> list[str]:
         """IPython shows this instead of the controller-side traceback, which is only our plumbing."""
         return _render(type(self).__name__, str(self))
 
     def __reduce__(self):
-        return type(self), (self.what, self.failures, self.total)
+        return type(self), (self.what, self.failures, self.total, self.released)
 
 
 class RemoteInterrupt(KeyboardInterrupt):
@@ -84,6 +120,14 @@ class RemoteInterrupt(KeyboardInterrupt):
         return type(self), (self.what, self.failures, self.busy, self.total, self.queued)
 
 
+class MeshBusyError(RuntimeError):
+    """A cell was not started because ranks of its mesh still run an earlier call (one that an interrupt
+    did not stop, say): it would have waited for them, silently."""
+
+    def _render_traceback_(self) -> list[str]:
+        return _render(type(self).__name__, str(self))
+
+
 def _describe(head: str, failures: list[Failure]) -> str:
     lines = [head]
     for f in failures:
@@ -107,6 +151,7 @@ class WorkerDiedError(RemoteError):
         self.what = f"mesh {mesh}"
         self.failures = [Failure([rank], [label], "WorkerDied", cause, "")]
         self.total = total
+        self.released = []
         Exception.__init__(
             self,
             f"rank {rank} ({label}) of mesh {mesh} {cause}; the other workers of the mesh were "

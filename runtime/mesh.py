@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from monarch.runtime import protocol
 from monarch.runtime.groups import WORLD, ProcessGroupRef
-from monarch.runtime.shape import Shape
+from monarch.runtime.shape import Shape, format_ranks
 
 _active: contextvars.ContextVar[ProcMesh | None] = contextvars.ContextVar("monarch_active_mesh", default=None)
 
@@ -190,13 +192,40 @@ class ProcMesh:
                 out.append("stopped")
         return out
 
-    def to_table(self) -> MeshTable:
-        """A table of this view's workers: coordinates, rank, host, pid, device, status, memory."""
+    def busy(self, ask: float = 0.0) -> list[BusyCall]:
+        """The calls still running on this view's workers, with which ranks run them and for how long.
+
+        With `ask` > 0 the busy workers are asked where they are (their control thread answers even while
+        user code or a collective holds them), waiting up to `ask` seconds for the answers."""
+        sp = self._spawned
+        controller = sp.controller
+        mine = set(self._shape.ranks)
+        if ask and sp.state == "running":
+            running = controller.describe_busy(sp, ask)
+        else:
+            calls = [p for p in list(controller.calls.values()) if p.mesh is sp]
+            running = [(p, [r for r in p.ranks if r not in p.replies]) for p in calls]
+        now = time.monotonic()
+        out = []
+        for p, ranks in running:
+            ranks = sorted(set(ranks) & mine)
+            if ranks:
+                where = {r: p.busy[r].where for r in ranks if r in p.busy}
+                waits = {r: p.busy[r].collective for r in ranks if r in p.busy and p.busy[r].collective}
+                out.append(BusyCall(p.name or "a call", ranks, [sp.labels[r] for r in ranks], now - p.started,
+                                    where, waits))  # fmt: skip
+        return out
+
+    def to_table(self, ask: float = 0.0) -> MeshTable:
+        """A table of this view's workers: coordinates, rank, host, pid, device, status, memory, what each
+        busy one runs and for how long (`ask`: see `busy`)."""
         sp = self._spawned
         status = self.status()
+        doing = {r: (b, f"{b.seconds:.0f} s") for b in self.busy(ask) for r in b.ranks}
         rows = []
         for (coords, rank), st in zip(self._shape.points(), status):
             info = sp.info[rank] if rank < len(sp.info) else {}
+            b, since = doing.get(rank, (None, ""))
             rows.append(
                 {
                     **coords,
@@ -206,12 +235,52 @@ class ProcMesh:
                     "device": info.get("device", "?"),
                     "status": st,
                     "memory": _rss(info.get("pid")) if st in ("idle", "busy") else "",
+                    "running": b.doing(rank) if b is not None else "",
+                    "for": since,
                 }
             )
         return MeshTable(self._shape.describe(), list(self._shape.names), rows, self)
 
     def __repr__(self) -> str:
         return f"<ProcMesh {self._shape.describe()}, {self._spawned.state}>"
+
+
+@dataclass
+class BusyCall:
+    """A call still running on some ranks of a mesh."""
+
+    name: str
+    """What it runs: ``"%%mesh cell"``, a live function's name."""
+    ranks: list[int]
+    labels: list[str]
+    seconds: float
+    """Since it was started."""
+    where: dict[int, str]
+    """Rank -> the user's line it is at (for ranks that said)."""
+    waits: dict[int, str]
+    """Rank -> the collective it waits in, if it waits in one."""
+
+    def doing(self, rank: int) -> str:
+        text = self.name
+        if rank in self.where:
+            text += f" at {self.where[rank]}"
+        if rank in self.waits:
+            text += f", waiting in {self.waits[rank]}"
+        return text
+
+    def describe(self) -> str:
+        """``rank 2 (gpu=2) has run the %%mesh cell for 35 s, at Cell In[4], line 7``, one line per place."""
+        lines = []
+        by_place: dict[str, list[int]] = {}
+        for r in self.ranks:
+            by_place.setdefault(self.doing(r).removeprefix(self.name), []).append(r)
+        for place, ranks in by_place.items():
+            who = f"rank {ranks[0]} ({self.labels[self.ranks.index(ranks[0])]})" if len(ranks) == 1 else (
+                f"ranks {format_ranks(ranks)}")  # fmt: skip
+            lines.append(
+                f"{who} {'has' if len(ranks) == 1 else 'have'} run {self.name} for {self.seconds:.0f} s{place}"
+            )
+        return "\n".join(lines)
 
 
 class MeshTable:
@@ -226,7 +295,7 @@ class MeshTable:
 
     @property
     def columns(self) -> list[str]:
-        return [*self.dims, "rank", "hostname", "pid", "device", "status", "memory"]
+        return [*self.dims, "rank", "hostname", "pid", "device", "status", "memory", "running", "for"]
 
     def __str__(self) -> str:
         cols = self.columns

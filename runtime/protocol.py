@@ -117,6 +117,15 @@ class Exit:
     """Stop serving and exit."""
 
 
+@message
+class ReformGroups:
+    """Make the mesh's process groups again (every worker, in lockstep): some were torn down to release
+    ranks waiting in a collective for a rank that had failed."""
+
+    generation: int
+    """How many times the mesh's groups were re-formed (names the new groups' store keys)."""
+
+
 # -- worker -> controller, on the command connection (start-up) --------------------------------------
 @message
 class Ready:
@@ -160,6 +169,30 @@ class Display:
 
 
 @message
+class Released:
+    """A worker waiting in a collective while its call had failed elsewhere was released (its connections
+    to the other workers were shut down, so the collective raised)."""
+
+    call_id: int
+    collective: str
+    """The torch.distributed function it waited in, e.g. ``"all_reduce"``."""
+    where: str
+    """The user's line that called it, e.g. ``"Cell In[5], line 4"``."""
+    user_groups: int
+    """Process groups made by user code (dist.new_group, init_device_mesh) that were torn down with it."""
+
+
+@message
+class Busy:
+    """What a worker is doing (asked for while a call runs): the user's line it is at."""
+
+    call_id: int | None
+    where: str
+    collective: str
+    """The collective it waits in, or ""."""
+
+
+@message
 class AskInput:
     """A worker waits for a line of input (`input()`, `sys.stdin`, or its pdb prompt)."""
 
@@ -168,6 +201,10 @@ class AskInput:
     prompt: str
     password: bool
     debugger: bool
+
+
+RELEASED = "Released"
+"""`ErrorInfo.exc_type` of a rank released from a collective (not a failure of its own)."""
 
 
 @dataclass(frozen=True)
@@ -376,6 +413,16 @@ class BorrowEnd:
     from_stream: int
     to_stream: int
     alias: int
+
+
+# -- the slot file: what a signal to a worker is about -------------------------------------------------
+SLOT = 32
+"""Bytes per rank in a mesh's slot file: int64 the call a SIGINT is for, then a control request sent with
+SIGUSR1: int64 sequence number, int64 call id, int64 kind."""
+RELEASE = 1
+"""Control request: if you wait in a collective (this call failed on another rank), be released from it."""
+REPORT = 2
+"""Control request: say what you are doing (`Busy`)."""
 
 
 # -- starting a worker ------------------------------------------------------------------------------

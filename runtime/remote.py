@@ -15,7 +15,7 @@ import cloudpickle
 
 from monarch.runtime import context, fnblob, protocol, wire
 from monarch.runtime.controller import OutputEvent
-from monarch.runtime.errors import RemoteError, RemoteInterrupt, group_failures
+from monarch.runtime.errors import Release, RemoteError, RemoteInterrupt, group_failures
 from monarch.runtime.mesh import ProcMesh, active_mesh
 from monarch.runtime.shape import Shape
 
@@ -124,8 +124,9 @@ class Future(Generic[T]):
         return self.result()
 
     def _decode(self, replies: dict[int, tuple]) -> ValueMesh[T]:
-        labels = self._pending.mesh.labels
-        values, failed = [], []
+        pending = self._pending
+        labels = pending.mesh.labels
+        values, failed, released = [], [], []
         for rank in self._shape.ranks:
             env = replies[rank]
             try:
@@ -134,12 +135,15 @@ class Future(Generic[T]):
                 info = protocol.ErrorInfo(type(e).__qualname__, f"result cannot be unpickled here: {e}", "")
                 failed.append((rank, labels[rank], info))
                 continue
-            if not env.message.ok:
+            if not env.message.ok and obj.exc_type == protocol.RELEASED and rank in pending.released:
+                r = pending.released[rank]
+                released.append(Release(rank, labels[rank], r.collective, r.where, r.user_groups))
+            elif not env.message.ok:
                 failed.append((rank, labels[rank], obj))
             else:
                 values.append(obj)
-        if failed:
-            raise RemoteError(self._name, group_failures(failed), len(self._shape))
+        if failed or released:
+            raise RemoteError(self._name, group_failures(failed), len(self._shape), released)
         return ValueMesh(self._shape, values)
 
 
@@ -236,6 +240,7 @@ class RemoteFunction:
                 ),
                 no_stdin,
                 output,
+                name or self.__name__,
             )
             have.update(shape.ranks)
         return Future(pending, shape, name or self.__name__)

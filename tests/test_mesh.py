@@ -78,7 +78,7 @@ def test_to_table_lists_every_worker(mesh8):
     table = mesh8.to_table()
     text = str(table)
     assert text.splitlines()[0] == "ProcMesh {host: 2, gpu: 4}"
-    assert table.columns == ["host", "gpu", "rank", "hostname", "pid", "device", "status", "memory"]
+    assert table.columns == ["host", "gpu", "rank", "hostname", "pid", "device", "status", "memory", "running", "for"]
     assert [r["rank"] for r in table.rows] == list(range(8))
     assert {r["status"] for r in table.rows} == {"idle"}
     assert all(r["memory"].endswith("MiB") for r in table.rows)

@@ -246,7 +246,7 @@ def _shown(cell) -> list[str]:
 def _rows(table: str) -> list[tuple[str, ...]]:
     """The coordinate and rank columns of the first printed MeshTable in `table`."""
     lines = table.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.split()[-2:] == ["status", "memory"])
+    start = next(i for i, line in enumerate(lines) if {"status", "memory", "rank"} <= set(line.split()))
     width = lines[start].split().index("rank") + 1
     rows = []
     for line in lines[start + 2 :]:

@@ -59,6 +59,11 @@ class Backend(ABC):
         """Raise KeyboardInterrupt in call `call_id` on `ranks` (a worker busy with another call skips it)."""
 
     @abstractmethod
+    def control(self, mesh_id: int, ranks: tuple[int, ...], call_id: int, kind: int) -> None:
+        """Ask `ranks`, whatever their main thread is doing, to act on call `call_id`: `protocol.RELEASE`
+        (leave a collective the call waits in) or `protocol.REPORT` (say what you are doing)."""
+
+    @abstractmethod
     def stop(self, mesh_id: int, graceful: bool) -> dict[int, int | None]:
         """Stop a mesh's workers (asking first when `graceful`, then killing) and wait until they are gone;
         returns each worker's exit status (0: it exited when asked; negative: killed by that signal)."""

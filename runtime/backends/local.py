@@ -56,6 +56,7 @@ class _Mesh:
     running: bool = False
     """Set once started, cleared when stopping: only then is an exit a lost worker."""
     stopped_since: dict[int, float] = field(default_factory=dict)
+    control_seq: int = 0
 
 
 class LocalBackend(Backend):
@@ -170,8 +171,22 @@ class LocalBackend(Backend):
             return
         for r in ranks:
             try:
-                struct.pack_into("<q", mesh.targets, 8 * r, call_id)
+                struct.pack_into("<q", mesh.targets, protocol.SLOT * r, call_id)
                 os.kill(mesh.procs[r].pid, signal.SIGINT)
+            except (ProcessLookupError, IndexError, ValueError):
+                pass
+
+    def control(self, mesh_id: int, ranks: tuple[int, ...], call_id: int, kind: int) -> None:
+        mesh = self.meshes.get(mesh_id)
+        if mesh is None:
+            return
+        with self._changed:
+            mesh.control_seq += 1
+            seq = mesh.control_seq
+        for r in ranks:
+            try:
+                struct.pack_into("<qqq", mesh.targets, protocol.SLOT * r + 8, seq, call_id, kind)
+                os.kill(mesh.procs[r].pid, signal.SIGUSR1)
             except (ProcessLookupError, IndexError, ValueError):
                 pass
 
@@ -332,12 +347,12 @@ def _proc_state(pid: int | None) -> str | None:
 
 
 def _shared_slots(path: str, n: int) -> mmap.mmap:
-    """`n` int64 slots in a file the workers map too (zeros to start)."""
+    """One record of `protocol.SLOT` bytes per rank in a file the workers map too (zeros to start)."""
     with open(path, "wb") as f:
-        f.truncate(8 * n)
+        f.truncate(protocol.SLOT * n)
     fd = os.open(path, os.O_RDWR)
     try:
-        return mmap.mmap(fd, 8 * n)
+        return mmap.mmap(fd, protocol.SLOT * n)
     finally:
         os.close(fd)
 

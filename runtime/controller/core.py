@@ -11,11 +11,12 @@ import concurrent.futures
 import itertools
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-from monarch.runtime import backends
+from monarch.runtime import backends, protocol
 from monarch.runtime.backends.transport import HOLD
 from monarch.runtime.config import Settings, settings
 from monarch.runtime.controller.output import LineLabeller, OutputEvent
@@ -24,6 +25,11 @@ from monarch.runtime.controller.state import PendingCall, SpawnedMesh
 from monarch.runtime.controller.stdin import StdinService
 from monarch.runtime.errors import WorkerDiedError
 from monarch.runtime.shape import Shape
+
+RELEASE_FIRST = 0.2
+"""Seconds after a rank fails (while others still run the call) before the others are asked to leave a
+collective they wait in; then every `RELEASE_AGAIN` seconds until the call ends."""
+RELEASE_AGAIN = 0.5
 
 
 class Controller:
@@ -93,12 +99,16 @@ class Controller:
         message_for: Callable[[int], tuple[Any, list | None]],
         no_stdin: str | None = None,
         output: Callable[[OutputEvent], None] | None = None,
+        name: str = "",
     ) -> PendingCall:
         """Start a call on `ranks`: `message_for(call_id)` gives its message and body. Its future resolves
-        to ``{rank: (ok, body, buffers)}``."""
+        to ``{rank: envelope of its Reply}``."""
         mesh.check_usable()
         call_id = next(self._ids)
-        pending = PendingCall(call_id, mesh, ranks, concurrent.futures.Future(), no_stdin=no_stdin, output=output)
+        pending = PendingCall(
+            call_id, mesh, ranks, concurrent.futures.Future(), no_stdin=no_stdin, output=output, name=name,
+            started=time.monotonic(),
+        )  # fmt: skip
         self.calls[call_id] = pending
         if mesh.failure is not None:  # died between the check and the registration
             self._fail(pending, mesh.failure)
@@ -126,6 +136,49 @@ class Controller:
             if other is not pending and other.mesh is pending.mesh and other.call_id < pending.call_id:
                 busy.update(r for r in other.ranks if r not in other.replies)
         return busy
+
+    # -- one rank failed, others still run ------------------------------------------------------------
+    def failed_while_others_run(self, pending: PendingCall) -> None:
+        """A rank answered `pending` with an error while others still run it: those waiting in a collective
+        for it would wait for ever. Ask them, soon and then twice a second, to leave it."""
+        if pending.failed:
+            return
+        pending.failed = True
+        self._release_later(pending, RELEASE_FIRST)
+
+    def _release_later(self, pending: PendingCall, delay: float) -> None:
+        timer = threading.Timer(delay, self._release, (pending,))
+        timer.daemon = True
+        timer.start()
+
+    def _release(self, pending: PendingCall) -> None:
+        if pending.future.done() or self._closed or pending.mesh.state != "running":
+            return
+        busy = tuple(r for r in pending.ranks if r not in pending.replies and r not in pending.released)
+        if busy:
+            self.backend.control(pending.mesh.mesh_id, busy, pending.call_id, protocol.RELEASE)
+        self._release_later(pending, RELEASE_AGAIN)
+
+    def call_done(self, pending: PendingCall) -> None:
+        """Every rank answered (receiving thread). If ranks were released from a collective, their groups are
+        broken (and the failed rank's, whose peers shut their connections): re-form them before anything
+        else runs on the mesh."""
+        mesh = pending.mesh
+        if pending.released and mesh.state == "running":
+            mesh.generation += 1
+            self.send(mesh, None, protocol.ReformGroups(mesh.generation))
+
+    def describe_busy(self, mesh: SpawnedMesh, wait: float = 0.3) -> list[tuple[PendingCall, list[int]]]:
+        """The calls of `mesh` still running, with their busy ranks; asks those ranks what they are doing
+        (their answers land in each call's `busy`, within `wait` seconds)."""
+        running = [(p, [r for r in p.ranks if r not in p.replies]) for p in list(self.calls.values()) if p.mesh is mesh]
+        running = [(p, ranks) for p, ranks in running if ranks]
+        for p, ranks in running:
+            self.backend.control(mesh.mesh_id, tuple(ranks), p.call_id, protocol.REPORT)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and any(r not in p.busy for p, ranks in running for r in ranks):
+            time.sleep(0.01)
+        return running
 
     def busy_ranks(self, mesh: SpawnedMesh) -> set[int]:
         """Ranks of `mesh` with a call in flight."""

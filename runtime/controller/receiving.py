@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
-from monarch.runtime import protocol
+from monarch.runtime import protocol, wire
 from monarch.runtime.backends.transport import DROPPED, HOLD, MAIN, POKE
 from monarch.runtime.controller.output import OutputEvent
 from monarch.runtime.controller.stdin import InputRequest
@@ -46,6 +46,8 @@ class Receiver:
             protocol.Output: self._on_output,
             protocol.Display: self._on_display,
             protocol.AskInput: self._on_input,
+            protocol.Released: self._on_released,
+            protocol.Busy: self._on_busy,
         }
         self._closed = False
         self._wake_r, self._wake_w = os.pipe()
@@ -201,10 +203,34 @@ class Receiver:
         pending.replies[env.rank] = env
         if len(pending.replies) == len(pending.ranks):
             c.calls.pop(msg.call_id, None)
+            c.call_done(pending)
             if not pending.future.done():
                 pending.future.set_result(pending.replies)
             if c.listeners:
                 c.changed(pending.mesh)
+        elif not msg.ok and env.rank not in pending.released:
+            self._show_error_now(pending, env)
+            c.failed_while_others_run(pending)
+
+    def _show_error_now(self, pending: Any, env: Any) -> None:
+        """A rank failed while others still run: its traceback goes to the call's output at once (the call's
+        error, all ranks together, comes when it ends)."""
+        try:
+            info = wire.loads(env.body, env.buffers)
+        except Exception:
+            return
+        if info.exc_type != protocol.RELEASED:
+            self._event(env, "stderr", info.traceback or f"{info.exc_type}: {info.message}\n")
+
+    def _on_released(self, env: Any) -> None:
+        pending = self.controller.calls.get(env.message.call_id)
+        if pending is not None and pending.mesh.mesh_id == env.mesh_id:
+            pending.released[env.rank] = env.message
+
+    def _on_busy(self, env: Any) -> None:
+        for pending in list(self.controller.calls.values()):
+            if pending.call_id == env.message.call_id and pending.mesh.mesh_id == env.mesh_id:
+                pending.busy[env.rank] = env.message
 
     def _event(self, env: Any, stream: str, text: str, data=None, metadata=None) -> None:
         c = self.controller

@@ -37,6 +37,8 @@ class SpawnedMesh:
     """The tensor engine's controller half, once `activate()` was used."""
     exit_codes: dict[int, int | None] = field(default_factory=dict)
     """Once stopped: each worker's exit status (0 when it exited as asked)."""
+    generation: int = 0
+    """How many times its process groups were re-formed (after ranks were released from a collective)."""
 
     @property
     def size(self) -> int:
@@ -61,3 +63,13 @@ class PendingCall:
     """Why this call cannot be given input (workers asking get an error saying so), or None."""
     output: Callable[[OutputEvent], None] | None = None
     """Where this call's output goes, instead of the controller's `output`."""
+    name: str = ""
+    """What the call runs, for people: ``"%%mesh cell"``, a live function's name."""
+    started: float = 0.0
+    """`time.monotonic()` when it was sent."""
+    failed: bool = False
+    """Some rank answered with an error while others still ran (their release is being checked)."""
+    released: dict[int, Any] = field(default_factory=dict)
+    """Rank -> `protocol.Released`: ranks taken out of a collective the failed rank never reached."""
+    busy: dict[int, Any] = field(default_factory=dict)
+    """Rank -> its latest `protocol.Busy` report."""

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
+import re
+import socket
 import threading
 import time
 from typing import Any
@@ -28,14 +31,25 @@ class Groups:
     def __init__(self, store: Any, mesh_id: int, rank: int, sizes: dict, timeout: float, backend: str) -> None:
         self.store = store
         """The controller's store (a `torch.distributed.Store`; each thread has its own connection)."""
-        self.prefix = f"monarch/{mesh_id}/"
+        self.mesh_id = mesh_id
         self.rank = rank
+        self.world = math.prod(sizes.values())
+        self.backend = backend
         self.timeout = datetime.timedelta(seconds=timeout)
+        self.partitions: dict[int, tuple] = {}
+        """Group id -> its rank partition, in the order made (re-formed in that order)."""
+        self.broken = False
+        """Torn down to release this worker from a collective: re-formed on the controller's word."""
+        self._init(0)
+        shared.resolver = self.resolve
+
+    def _init(self, generation: int) -> None:
+        self.prefix = f"monarch/{self.mesh_id}/" + (f"g{generation}/" if generation else "")
         dist.init_process_group(
-            backend,
-            store=dist.PrefixStore(self.prefix, store),
-            rank=rank,
-            world_size=math.prod(sizes.values()),
+            self.backend,
+            store=dist.PrefixStore(self.prefix, self.store),
+            rank=self.rank,
+            world_size=self.world,
             timeout=self.timeout,
         )
         self.by_id: dict[int, Any] = {shared.WORLD: dist.group.WORLD}
@@ -43,10 +57,10 @@ class Groups:
         self._stream_copies: dict[tuple, Any] = {}
         self._pairs: dict[tuple, Any] = {}
         self._links: dict[str, Any] = {}
-        shared.resolver = self.resolve
 
     def create(self, gid: int, partition: tuple) -> None:
         """Create every group of one partition (collectively: every worker of the mesh calls this), keep ours."""
+        self.partitions[gid] = partition
         mine = None
         try:
             for ranks in partition:
@@ -128,6 +142,47 @@ class Groups:
             return dist.ProcessGroupNCCL(store, rank, len(ranks), opts)  # its communicator is made on first use
         return dist.ProcessGroupGloo(store, rank, len(ranks), self.timeout)
 
+    def ours(self) -> list[Any]:
+        """The groups this object made (the default one, dimensions', streams', pairs, links)."""
+        made = [g for g in self.by_id.values() if g is not None and not isinstance(g, BaseException)]
+        return made + [*self._stream_copies.values(), *self._pairs.values(), *self._links.values()]
+
+    def users(self) -> list[Any]:
+        """Groups user code made (dist.new_group, init_device_mesh, ...)."""
+        pg_map = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", {})
+        mine = {id(g) for g in self.ours()}
+        return [g for g in list(pg_map) if id(g) not in mine]
+
+    def release(self) -> None:
+        """Make every collective this worker (and its peers) waits in raise: abort NCCL communicators, shut
+        down the connections to the other workers (gloo's). The groups, the user's too, are broken until
+        `reform` (which remakes ours)."""
+        self.broken = True
+        for group in self.ours() + self.users():
+            try:
+                if dist.get_backend(group) == "nccl":
+                    dist.distributed_c10d._abort_process_group(group)
+            except Exception:
+                pass
+        for fd in sibling_sockets():
+            try:
+                s = socket.socket(fileno=os.dup(fd))
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                finally:
+                    s.close()
+            except OSError:
+                pass
+
+    def reform(self, generation: int) -> None:
+        """Make the mesh's groups again, after `release` here or on another worker (collectively: every
+        worker calls this, in the same order). Groups user code made are not remade."""
+        self.destroy()
+        self._init(generation)
+        for gid, partition in list(self.partitions.items()):
+            self.create(gid, partition)
+        self.broken = False
+
     def destroy(self) -> None:
         """Tear the groups down, waiting at most 5 s (a communicator stuck on a dead peer may never let go)."""
         if not dist.is_initialized():
@@ -142,3 +197,63 @@ def _destroy() -> None:
         dist.destroy_process_group()
     except Exception:
         pass
+
+
+def _socket_inodes(pid: int | str) -> dict[str, int]:
+    """Socket inode -> fd, for process `pid`."""
+    out = {}
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            m = re.fullmatch(r"socket:\[(\d+)\]", os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            continue
+        if m:
+            out[m.group(1)] = int(fd)
+    return out
+
+
+def _tcp_table() -> dict[str, tuple[str, str]]:
+    """Established TCP connections on this machine: inode -> (local address, remote address)."""
+    out = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == "01":  # ESTABLISHED
+                out[cols[9]] = (cols[1], cols[2])
+    return out
+
+
+def sibling_sockets() -> list[int]:
+    """This worker's file descriptors of TCP connections whose other end belongs to a sibling (another
+    worker forked by the same parent): the connections of its process groups and links, never a user's
+    connection elsewhere."""
+    parent, me = os.getppid(), os.getpid()
+    siblings = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != me:
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == parent:
+                        siblings.append(name)
+            except (OSError, ValueError, IndexError):
+                pass
+    theirs = set()
+    for pid in siblings:
+        theirs.update(_socket_inodes(pid))
+    table = _tcp_table()
+    by_ends = {ends: inode for inode, ends in table.items()}
+    out = []
+    for inode, fd in _socket_inodes(me).items():
+        ends = table.get(inode)
+        if ends is not None and by_ends.get((ends[1], ends[0])) in theirs:
+            out.append(fd)
+    return out

@@ -16,6 +16,9 @@ PR_SET_PDEATHSIG = 1
 
 def run(cfg: Any) -> None:
     """Start serving as the worker `cfg` (a `protocol.WorkerStart`) describes."""
+    from monarch.runtime.worker.control import block_signal
+
+    block_signal()  # before any thread starts: only the control thread takes the controller's signal
     _die_with_parent(cfg.parent_pid)
     _exit_with_controller(cfg.controller_pid)
     os.setsid()  # terminal Ctrl-C goes to the controller, which forwards interrupts

@@ -27,6 +27,7 @@ from monarch.runtime.backends.store import store_client
 from monarch.runtime.backends.transport import WorkerTransport
 from monarch.runtime.shape import Shape
 from monarch.runtime.worker import groups, stdin
+from monarch.runtime.worker.control import Control
 from monarch.runtime.worker.engine import commands as engine
 from monarch.runtime.worker.output import Output
 
@@ -54,6 +55,8 @@ class Worker:
         """True while a pdb prompt on this worker is reading commands."""
         with open(cfg.interrupt_path, "rb") as f:
             self.targets = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.released: tuple[str, str] | None = None
+        """(collective, where) when the control thread released this call from a collective."""
         self.cancelled: set[int] = set()
         """Calls interrupted before they started here (this worker was busy with another call)."""
         self.handlers = {
@@ -61,14 +64,16 @@ class Worker:
             protocol.MakeGroups: self._make_groups,
             protocol.RunOps: self._run_ops,
             protocol.StdinReply: self._late_stdin,
+            protocol.ReformGroups: self._reform_groups,
         }
         signal.signal(signal.SIGINT, self._on_sigint)
         global current
         current = self
         stdin.install(self)
+        self.control = Control(self, self.targets)
 
     def _on_sigint(self, signum, frame) -> None:
-        (target,) = struct.unpack_from("<q", self.targets, 8 * self.rank)
+        (target,) = struct.unpack_from("<q", self.targets, protocol.SLOT * self.rank)
         if target == self.call_id and self.in_user_code:
             raise KeyboardInterrupt
         if target > 0:  # a call not started yet (perhaps queued behind another thread's): skip it
@@ -145,6 +150,10 @@ class Worker:
         engine.run(protocol.unpack_commands(wire.loads(env.body, env.buffers)))
         self.output.flush()
 
+    def _reform_groups(self, env: wire.Envelope) -> None:
+        groups.current.reform(env.message.generation)
+        self.output.flush()
+
     def _late_stdin(self, env: wire.Envelope) -> None:
         pass  # an answer to a prompt given up on (the call was interrupted): nobody waits for it
 
@@ -190,6 +199,7 @@ class Worker:
         call_id = msg.call_id
         if engine.streams_running():
             self.output.flush()  # what stream threads printed so far is no part of this call
+        self.released = None
         self.call_id = call_id
         key = (msg.names, msg.sizes, msg.ranks)
         call_view = self.views.get(key)
@@ -222,6 +232,9 @@ class Worker:
                 self.in_user_code = False
         except BaseException as e:
             ok, value = False, _describe(e)
+            if self.released is not None:  # its collective raised because we shut its connections down
+                collective, where = self.released
+                value = protocol.ErrorInfo(RELEASED, f"released from {collective} at {where}", "")
         if value is None and ok:
             body = _NONE
         elif ok:
@@ -236,6 +249,7 @@ class Worker:
 
 
 _NONE = wire.dumps(None)
+RELEASED = protocol.RELEASED
 
 _HERE = os.path.dirname(__file__)
 _PLUMBING = {__file__, *(os.path.join(_HERE, f) for f in ("cells.py", "stdin.py"))}

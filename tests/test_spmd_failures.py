@@ -1,0 +1,162 @@
+"""One rank fails while the others wait for it in a collective: the cell or call ends by itself.
+
+torchrun reports such a failure within seconds because the dying process closes its sockets; a worker
+that raises stays alive, so without help the others would wait for the group timeout (600 s). Each test
+checks that the error arrives (the test's own timeout is the generous bound; benchmarks/faults.py reports
+the real figure), that it names the failed rank and the collective the others were released from, and
+that the next collective runs on the same workers with their namespaces intact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import monarch
+from monarch.actor import this_host
+
+from conftest import wait_gone, worker_pids
+from kernel_client import Kernel, monarch_kernel
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    with monarch_kernel() as k:
+        assert k.run("%%mesh gpu=4\nkept = rank * 10").status == "ok"
+        pids = k.worker_pids()
+        yield k
+        k.km.shutdown_kernel(now=False)
+        assert wait_gone(pids, 10) == []
+
+
+FAILING_CELL = """%%mesh
+import torch, torch.distributed as dist
+t = torch.ones(2) * (rank + 1)
+if rank == 1:
+    raise ValueError(f"bad input shape on rank {rank}")
+dist.all_reduce(t)
+"""
+
+
+def test_a_cell_where_one_rank_raises_before_a_collective_ends_and_the_next_runs(kernel: Kernel):
+    pids = kernel.worker_pids()
+    r = kernel.run(FAILING_CELL, timeout=30)  # (the group timeout is 600 s)
+    assert r.status == "error"
+    text = r.text()
+    assert "ValueError: bad input shape on rank 1" in text
+    assert "ranks 0, 2-3 were released from all_reduce at Cell In[" in text and "line 6" in text, text
+    assert "Connection closed" not in text  # the released ranks' own error is not shown as a failure
+    # rank 1's traceback was shown in its area while the others were still waiting
+    live = [it for it in r.custom_items() if it["r"] == 1 and it.get("s") == "stderr"]
+    assert any("bad input shape on rank 1" in it["t"] for it in live)
+    r = kernel.run("%%mesh\ns = torch.tensor([float(rank)])\ndist.all_reduce(s)\n(s.item(), kept)", timeout=30)
+    assert r.status == "ok", r.text()
+    assert "(6.0, 30)" in r.text() and "(6.0, 0)" in r.text()  # the right sum, and the namespaces kept
+    assert kernel.worker_pids() == pids
+
+
+def test_groups_made_in_cells_are_named_as_torn_down(kernel: Kernel):
+    assert kernel.run("%%mesh\npair = dist.new_group([0, 1])").status == "ok"
+    r = kernel.run(FAILING_CELL, timeout=30)
+    assert r.status == "error"
+    assert "1 process group made in your code (dist.new_group, init_device_mesh, ...) could not be kept" in r.text()
+    assert kernel.run("%%mesh\npair = dist.new_group([0, 1])\ndist.barrier(pair) if rank < 2 else None").status == "ok"
+
+
+def test_a_rank_still_busy_is_named_before_the_next_cell_instead_of_waiting_for_it(kernel: Kernel):
+    """A rank that ignores the interrupt keeps running; the next cell says at once which rank runs what."""
+    import threading
+
+    code = (
+        "%%mesh\nimport time\n"
+        "try:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    if rank == 2:\n        time.sleep(60)\n"
+    )
+    threading.Timer(1.0, kernel.km.interrupt_kernel).start()
+    r = kernel.run(code, timeout=30)
+    assert r.status == "error"
+    r = kernel.run("%%mesh\nrank", timeout=10)
+    assert r.status == "error"
+    text = r.text()
+    assert (
+        "MeshBusyError" in text
+        and "this cell was not started: rank 2 is still running an earlier call on mesh {gpu: 4}" in text
+    )
+    assert "rank 2 (gpu=2) has run %%mesh cell for" in text and "at Cell In[" in text and "line 7" in text, text
+    assert "%mesh restart" in text
+    r = kernel.run("%mesh status", timeout=10)
+    assert "%%mesh cell at Cell In[" in r.text()
+    assert kernel.run("%mesh restart", timeout=60).status == "ok"
+    assert kernel.run("%%mesh\nrank").status == "ok"
+
+
+# -- live functions ----------------------------------------------------------------------------------
+@monarch.remote
+def reduce_after_a_check(x):
+    rank = dist.get_rank()
+    if rank == 2:
+        raise ValueError(f"bad input on rank {rank}")
+    t = torch.ones(1) * x
+    dist.all_reduce(t)
+    return t.item()
+
+
+@monarch.remote
+def plain_sum(x):
+    t = torch.ones(1) * x
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_a_live_function_where_one_rank_raises_before_a_collective_ends():
+    mesh = this_host().spawn_procs({"host": 2, "gpu": 2})
+    pids = worker_pids(mesh)
+    try:
+        with pytest.raises(monarch.RemoteError) as e:
+            reduce_after_a_check.on(mesh).call_async(1.0).result(timeout=30)
+        assert e.value.ranks == [2]
+        assert sorted(r.rank for r in e.value.released) == [0, 1, 3]
+        assert "ranks 0-1, 3 were released from all_reduce at" in str(e.value)
+        assert list(plain_sum.on(mesh)(2.0)) == [8.0] * 4  # groups re-formed: the next collective is right
+        group = mesh.process_group("gpu")  # and the dimension groups too
+        assert list(plain_sum_in.on(mesh)(group)) == [2.0] * 4
+        assert worker_pids(mesh) == pids
+    finally:
+        mesh.exit()
+    assert wait_gone(pids) == []
+
+
+@monarch.remote
+def plain_sum_in(group):
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    return t.item()
+
+
+def test_ranks_that_compute_are_left_alone():
+    """Only ranks waiting in a collective are released: one still computing finishes its work."""
+    mesh = this_host().spawn_procs({"gpu": 3})
+    pids = worker_pids(mesh)
+
+    @monarch.remote
+    def uneven():
+        import time
+
+        rank = dist.get_rank()
+        if rank == 0:
+            raise ValueError("rank 0 fails")
+        if rank == 1:
+            time.sleep(1.5)  # computing while rank 2 waits in the collective
+            return "done"
+        dist.barrier()
+
+    try:
+        with pytest.raises(monarch.RemoteError) as e:
+            uneven.on(mesh).call_async().result(timeout=30)
+        assert e.value.ranks == [0] and [r.rank for r in e.value.released] == [2]
+        assert "rank 2 was released from barrier" in str(e.value)
+    finally:
+        mesh.exit()
+    assert wait_gone(pids) == []
