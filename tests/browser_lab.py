@@ -61,13 +61,15 @@ class Lab:
 
     `jupyter_path` (a `share/jupyter` dir) is where extra kernelspecs are found."""
 
-    def __init__(self, tmp: Path, jupyter_path: Path):
+    def __init__(self, tmp: Path, jupyter_path: Path, theme: str | None = None):
         self.tmp, self.port, self.token = tmp, free_port(), secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}"
         settings = tmp / "settings"
         news = settings / "@jupyterlab/apputils-extension/notification.jupyterlab-settings"
         news.parent.mkdir(parents=True)
         news.write_text('{"fetchNews": "false"}')
+        if theme is not None:  # e.g. "JupyterLab Dark"
+            (news.parent / "themes.jupyterlab-settings").write_text(f'{{"theme": "{theme}"}}')
         (tmp / "root").mkdir()
         self.env = dict(
             os.environ,

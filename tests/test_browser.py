@@ -2,9 +2,11 @@
 
 A user's path: open the launcher card "Monarch (PyTorch mesh)", run a `%%mesh gpu=4` cell and check each rank's
 own output area (`.monarch-rank[data-label=gpu=N]`), then run `%mesh` and check the MeshTable (4 rows, all idle).
-The screenshot is saved to test-artifacts/browser/monarch_lab.png (with the output HTML beside it), pass or fail.
+In the dark theme: workers' Markdown, LaTeX, ANSI colours, stderr and a tqdm bar, live and once the cell ended.
+Screenshots are saved to test-artifacts/browser/ (with the output HTML beside them), pass or fail.
 Afterwards the lab server, its kernel and the kernel's workers must all be gone."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -29,11 +31,11 @@ WAIT_MS = 30_000
 
 
 @pytest.fixture
-def lab(tmp_path):
+def lab(tmp_path, request):
     prefix = tmp_path / "prefix"
     install = [sys.executable, "-m", "monarch.kernel", "install", "--prefix", str(prefix)]
     subprocess.run(install, cwd=REPO, check=True, timeout=60)
-    server = Lab(tmp_path / "lab", prefix / "share" / "jupyter")
+    server = Lab(tmp_path / "lab", prefix / "share" / "jupyter", theme=getattr(request, "param", None))
     server.start()
     yield server
     pids = [server.proc.pid, *descendants(server.proc.pid)]  # kernel, fork server, workers (own session)
@@ -60,49 +62,144 @@ def run_cell(page, index: int, source: str, wait: bool = True):
     return cell, f"cell {source!r} shows:\n{cell.locator('.jp-OutputArea').inner_text()}\n"
 
 
-@pytest.mark.timeout(180)
-def test_mesh_cell_in_jupyterlab(lab):
+def open_notebook(page, lab):
+    """A new notebook on the Monarch kernel, idle; returns the idle indicator."""
+    page.goto(f"{lab.url}/lab?token={lab.token}")
+    page.locator(f".jp-LauncherCard[data-category='Notebook'][title='{DISPLAY_NAME}']").click(timeout=WAIT_MS)
+    expect(page.locator(".jp-NotebookPanel-toolbar .jp-Toolbar-kernelName")).to_have_text(DISPLAY_NAME, timeout=WAIT_MS)
+    idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
+    idle.wait_for(timeout=WAIT_MS)
+    return idle
+
+
+@contextlib.contextmanager
+def browser_page(name: str, height: int = 1000):
+    """A page in headless Chromium; afterwards, pass or fail, its screenshot and output HTML as `name`."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page = browser.new_page(viewport={"width": 1400, "height": height})
         try:
-            page.goto(f"{lab.url}/lab?token={lab.token}")
-            page.locator(f".jp-LauncherCard[data-category='Notebook'][title='{DISPLAY_NAME}']").click(timeout=WAIT_MS)
-            expect(page.locator(".jp-NotebookPanel-toolbar .jp-Toolbar-kernelName")).to_have_text(
-                DISPLAY_NAME, timeout=WAIT_MS
-            )
-            idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
-            idle.wait_for(timeout=WAIT_MS)
-
-            source = (
-                '%%mesh gpu=4\nimport time\nprint(f"hello from rank {rank}", flush=True)\ntime.sleep(5)\nprint("bye")'
-            )
-            cell, _ = run_cell(page, 0, source, wait=False)
-            # live: each rank's first line shows in its own area while the cell still runs
-            for rank in range(4):
-                area = cell.locator(f".monarch-rank[data-label='gpu={rank}']")
-                expect(area).to_contain_text(f"hello from rank {rank}", timeout=WAIT_MS)
-            assert "bye" not in cell.locator(".jp-OutputArea").inner_text()
-            expect(cell.locator(".jp-InputPrompt")).to_have_text("[*]:")
-            expect(cell.locator(".jp-InputPrompt")).to_have_text("[1]:", timeout=WAIT_MS)
-            shown = f"cell {source!r} shows:\n{cell.locator('.jp-OutputArea').inner_text()}\n"
-            # done: static areas, one per rank, each with its own lines only
-            expect(cell.locator(".monarch-rank"), shown).to_have_count(4, timeout=WAIT_MS)
-            for rank in range(4):
-                area = cell.locator(f".monarch-rank[data-label='gpu={rank}']")
-                expect(area, shown).to_contain_text(f"hello from rank {rank}", timeout=WAIT_MS)
-                expect(area, shown).to_contain_text("bye", timeout=WAIT_MS)
-                text = area.inner_text()
-                assert [r for r in range(4) if r != rank and f"hello from rank {r}" in text] == [], text
-
-            cell, shown = run_cell(page, 1, "%mesh")
-            rows = cell.locator("table.monarch-mesh-table tr[data-rank]")
-            expect(rows, shown).to_have_count(4, timeout=WAIT_MS)
-            expect(rows.locator(".monarch-status"), shown).to_have_text(["idle"] * 4, timeout=WAIT_MS)
-            idle.wait_for(timeout=WAIT_MS)
+            yield page
         finally:
-            page.screenshot(path=ARTIFACTS / "monarch_lab.png", full_page=True)
+            page.screenshot(path=ARTIFACTS / f"{name}.png", full_page=True)
             outputs = page.locator(".jp-OutputArea").evaluate_all("els => els.map(e => e.outerHTML).join('\\n')")
-            (ARTIFACTS / "monarch_lab.html").write_text(outputs)
+            (ARTIFACTS / f"{name}.html").write_text(outputs)
             browser.close()
+
+
+@pytest.mark.timeout(180)
+def test_mesh_cell_in_jupyterlab(lab):
+    with browser_page("monarch_lab") as page:
+        idle = open_notebook(page, lab)
+
+        source = '%%mesh gpu=4\nimport time\nprint(f"hello from rank {rank}", flush=True)\ntime.sleep(5)\nprint("bye")'
+        cell, _ = run_cell(page, 0, source, wait=False)
+        # live: each rank's first line shows in its own area while the cell still runs
+        for rank in range(4):
+            area = cell.locator(f".monarch-rank[data-label='gpu={rank}']")
+            expect(area).to_contain_text(f"hello from rank {rank}", timeout=WAIT_MS)
+        assert "bye" not in cell.locator(".jp-OutputArea").inner_text()
+        expect(cell.locator(".jp-InputPrompt")).to_have_text("[*]:")
+        expect(cell.locator(".jp-InputPrompt")).to_have_text("[1]:", timeout=WAIT_MS)
+        shown = f"cell {source!r} shows:\n{cell.locator('.jp-OutputArea').inner_text()}\n"
+        # done: static areas, one per rank, each with its own lines only
+        expect(cell.locator(".monarch-rank"), shown).to_have_count(4, timeout=WAIT_MS)
+        for rank in range(4):
+            area = cell.locator(f".monarch-rank[data-label='gpu={rank}']")
+            expect(area, shown).to_contain_text(f"hello from rank {rank}", timeout=WAIT_MS)
+            expect(area, shown).to_contain_text("bye", timeout=WAIT_MS)
+            text = area.inner_text()
+            assert [r for r in range(4) if r != rank and f"hello from rank {r}" in text] == [], text
+
+        cell, shown = run_cell(page, 1, "%mesh")
+        rows = cell.locator("table.monarch-mesh-table tr[data-rank]")
+        expect(rows, shown).to_have_count(4, timeout=WAIT_MS)
+        expect(rows.locator(".monarch-status"), shown).to_have_text(["idle"] * 4, timeout=WAIT_MS)
+        idle.wait_for(timeout=WAIT_MS)
+
+
+RICH_CELL = r"""%%mesh gpu=2
+import sys, time
+from IPython.display import Markdown, Math
+from tqdm import tqdm
+
+print("\x1b[31mred text\x1b[0m and plain")
+print(f"a warning on stderr from rank {rank}", file=sys.stderr, flush=True)
+display(Markdown(f"**rank {rank}** draws $y = x^{rank + 1}$"))
+display(Math(r"\int_0^1 x^{%d}\,dx = \frac{1}{%d}" % (rank + 1, rank + 2)))
+for _ in tqdm(range(20), mininterval=0, miniters=1, ascii=True, ncols=60):
+    time.sleep(0.03)
+time.sleep(4)  # (the test looks at the live view meanwhile)
+"""
+
+# What the eye sees behind stderr's text: the backgrounds from its <pre> up to the first opaque one, laid over
+# each other; and the WCAG contrast of the text on it
+SEEN = """el => {
+  const rgba = (c) => { const v = c.match(/[\\d.]+/g).map(Number); return [v[0], v[1], v[2], v[3] ?? 1]; };
+  const pre = el.querySelector("pre");
+  const layers = [];
+  for (let n = pre; n; n = n.parentElement) {
+    const c = rgba(getComputedStyle(n).backgroundColor);
+    if (c[3] > 0) layers.push(c);
+    if (c[3] === 1) break;
+  }
+  let bg = [255, 255, 255];
+  for (const [r, g, b, a] of layers.reverse()) bg = [r, g, b].map((v, i) => v * a + bg[i] * (1 - a));
+  const fg = rgba(getComputedStyle(pre).color);
+  const lum = (c) => { const l = c.slice(0, 3).map((v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; }); return 0.2126 * l[0] + 0.7152 * l[1] + 0.0722 * l[2]; };
+  const [hi, lo] = [lum(fg), lum(bg)].sort((x, y) => y - x);
+  return { contrast: (hi + 0.05) / (lo + 0.05), bg: bg.map(Math.round), fg };
+}"""
+
+
+def _assert_dark_error_background(seen: dict) -> None:
+    """The dark theme's error background behind stderr (a red tint on near black), the text readable on it."""
+    r, g, b = seen["bg"]
+    assert max(r, g, b) < 128 and r > g + 20 and seen["contrast"] >= 4.5, seen
+
+
+def _red(colour: str) -> bool:
+    r, g, b = (int(float(v)) for v in colour[colour.index("(") + 1 : colour.index(")")].split(",")[:3])
+    return r > 180 and g < 120 and b < 120
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("lab", ["JupyterLab Dark"], indirect=True)
+def test_worker_output_renders_as_jupyter_renders_it(lab):
+    with browser_page("monarch_lab_dark", height=1200) as page:
+        open_notebook(page, lab)
+        assert page.locator("body").get_attribute("data-jp-theme-name") == "JupyterLab Dark"
+        cell, _ = run_cell(page, 0, RICH_CELL, wait=False)
+        outputs = cell.locator(".jp-OutputArea-output")
+        # the start shows before anything else, while the workers start
+        expect(outputs.first).to_contain_text("monarch: ", timeout=WAIT_MS)
+        expect(outputs.first).to_contain_text("workers {gpu: 2}", timeout=WAIT_MS)
+        area = cell.locator(".monarch-rank[data-label='gpu=1']")
+        expect(area.locator("strong")).to_have_text("rank 1", timeout=WAIT_MS)
+        assert cell.locator(".monarch-ranks").count() == 1
+        assert outputs.first.locator(".monarch-ranks").count() == 0  # the progress line came first
+
+        # live: MathML drawn by the browser, a tqdm bar on one line, red in red
+        expect(area.locator("math")).to_have_count(2, timeout=WAIT_MS)
+        stderr = area.locator(".monarch-stderr")
+        expect(stderr.last).to_contain_text("100%", timeout=WAIT_MS)
+        expect(cell.locator(".jp-InputPrompt")).to_have_text("[*]:")  # still running
+        bar = [line for line in stderr.last.inner_text().splitlines() if "%" in line]
+        assert len(bar) == 1 and "100%" in bar[0], stderr.last.inner_text()
+        live_red = area.locator(".ansi-red-fg")
+        expect(live_red).to_have_text("red text")
+        assert _red(live_red.evaluate("e => getComputedStyle(e).color"))
+        _assert_dark_error_background(stderr.first.evaluate(SEEN))
+
+        # ended: the static view, math typeset by JupyterLab's MathJax, the same rendering otherwise
+        expect(cell.locator(".jp-InputPrompt")).to_have_text("[1]:", timeout=WAIT_MS)
+        expect(area.locator("mjx-container")).to_have_count(2, timeout=WAIT_MS)
+        expect(area.locator("strong")).to_have_text("rank 1")
+        bar = [line for line in area.locator(".monarch-stderr").last.inner_text().splitlines() if "%" in line]
+        assert len(bar) == 1 and "100%" in bar[0], bar
+        red = area.locator(".ansi-red-fg")
+        expect(red).to_have_text("red text")
+        assert _red(red.evaluate("e => getComputedStyle(e).color"))
+        _assert_dark_error_background(area.locator(".monarch-stderr").first.evaluate(SEEN))
+        expect(outputs.first).to_contain_text("monarch: 2 workers {gpu: 2} ready in")

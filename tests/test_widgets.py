@@ -41,6 +41,21 @@ def test_mesh_table_status_follows_the_workers(mesh8):
     assert lines[0] == "ProcMesh {gpu: 4}" and lines[1].split()[:3] == ["gpu", "rank", "hostname"]
 
 
+@pytest.mark.timeout(60)
+def test_a_mesh_table_keeps_its_last_state_when_the_mesh_is_stopped():
+    from monarch.actor import this_host
+
+    mesh = this_host().spawn_procs({"gpu": 2})
+    table = MeshTableWidget(mesh)
+    mesh.exit()
+    assert _wait_for(lambda: "stopped at" in table.title), table.title
+    assert table.title.startswith("ProcMesh {gpu: 2} (stopped at ") and "the rows show its last state" in table.title
+    assert [r["status"] for r in table.rows] == ["idle", "idle"]
+    assert "monarch-status monarch-status-stopped" not in table._repr_mimebundle_()["text/html"]
+    later = MeshTableWidget(mesh)  # made after the stop: it says so
+    assert [r["status"] for r in later.rows] == ["stopped", "stopped"]
+
+
 def test_value_mesh_and_tensor_views(mesh8):
     @monarch.remote
     def value():
@@ -68,7 +83,7 @@ def test_rank_log_groups_by_rank_and_escapes():
     html = log.bundle()["text/html"]
     assert html.index('data-label="gpu=0"') < html.index('data-label="gpu=1"')
     assert "&lt;oops&gt;" in html and '<img src="data:image/png;base64,AAAA"/>' in html
-    assert '<pre class="monarch-stderr"' in html
+    assert '<div class="jp-RenderedText monarch-stderr" data-mime-type="application/vnd.jupyter.stderr"' in html
 
 
 def test_debugger_view_static_forms():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 
 import traitlets
@@ -32,8 +33,8 @@ export default {
   render({ model, el }) {
     draw(model, el);
     const on = () => draw(model, el);
-    model.on("change:rows", on);
-    return () => model.off("change:rows", on);
+    model.on("change:rows change:title", on);
+    return () => model.off("change:rows change:title", on);
   },
 };
 """
@@ -52,7 +53,11 @@ def table_html(title: str, columns: list[str], rows: list[dict]) -> str:
 
 
 class MeshTableWidget(StaticFallbackWidget):
-    """`mesh.to_table()` in a notebook: refreshed when workers become busy, idle or fail."""
+    """`mesh.to_table()` in a notebook: refreshed when workers become busy, idle or fail.
+
+    When the mesh is stopped on purpose (`exit()`, `%mesh shutdown`), the table keeps the last state it
+    showed and says in its title when the mesh stopped: a notebook run top to bottom that ends by
+    stopping its meshes keeps tables that show what they showed, not a column of "stopped"."""
 
     _esm = _ESM
     title = traitlets.Unicode().tag(sync=True)
@@ -76,6 +81,7 @@ class MeshTableWidget(StaticFallbackWidget):
                 w.schedule_refresh()
 
         stop = mesh.on_change(changed)
+        self._stop_following = stop
 
     def schedule_refresh(self) -> None:
         """Coalesce bursts of changes into at most ~10 updates a second."""
@@ -88,6 +94,10 @@ class MeshTableWidget(StaticFallbackWidget):
     def refresh(self) -> None:
         with self._lock:
             self._pending = False
+        if self._mesh.state in ("stopping", "stopped") and any(r["status"] != "stopped" for r in self.rows):
+            self._stop_following()
+            self.title += f" (stopped at {time.strftime('%H:%M:%S')}; the rows show its last state)"
+            return
         self.rows = _plain(self._mesh.to_table().rows)
 
     def static_html(self) -> str:

@@ -10,6 +10,7 @@ import uuid
 
 import traitlets
 
+from monarch.widgets import render
 from monarch.widgets.base import StaticFallbackWidget
 from monarch.widgets.style import esc, page
 
@@ -21,14 +22,81 @@ function state(model) {
   if (!st) { st = { log: [], views: new Set() }; STORE.set(uid, st); }
   return st;
 }
-function bundle(d) {
-  for (const [mime, kind] of [["image/png", "png"], ["image/jpeg", "jpeg"]]) {
-    if (d[mime]) { const i = document.createElement("img"); i.src = `data:image/${kind};base64,${d[mime]}`; return i; }
+// Stream text drawn as a terminal shows it, by the rules of render.py: "\r" goes back to the line's start,
+// ANSI colours become JupyterLab's ansi-* classes, other escapes are dropped.
+const COLOURS = ["black", "red", "green", "yellow", "blue", "magenta", "cyan", "white"];
+const OTHER = /\x1b\[[0-9;?]*[A-Za-ln-z]|\x1b\][^\x07]*\x07/g;
+function sgr(st, codes) {
+  const nums = codes.split(";").filter((c) => /^\d+$/.test(c)).map(Number);
+  for (const n of nums.length ? nums : [0]) {
+    if (n === 0) Object.assign(st, { fg: null, bg: null, bold: false, underline: false });
+    else if (n === 1) st.bold = true;
+    else if (n === 4) st.underline = true;
+    else if (n === 21 || n === 22) st.bold = false;
+    else if (n === 24) st.underline = false;
+    else if (n >= 30 && n <= 37) st.fg = COLOURS[n - 30];
+    else if (n >= 90 && n <= 97) st.fg = COLOURS[n - 90] + "-intense";
+    else if (n === 39) st.fg = null;
+    else if (n >= 40 && n <= 47) st.bg = COLOURS[n - 40];
+    else if (n >= 100 && n <= 107) st.bg = COLOURS[n - 100] + "-intense";
+    else if (n === 49) st.bg = null;
   }
-  if (d["image/svg+xml"] || d["text/html"]) {
-    const x = document.createElement("div"); x.innerHTML = d["image/svg+xml"] || d["text/html"]; return x;
+}
+function classes(st) {
+  const c = [];
+  if (st.fg) c.push(`ansi-${st.fg}-fg`);
+  if (st.bg) c.push(`ansi-${st.bg}-bg`);
+  if (st.bold) c.push("ansi-bold");
+  if (st.underline) c.push("ansi-underline");
+  return c.join(" ");
+}
+function ansi(parent, text, st) {
+  text = text.replace(OTHER, "");
+  const put = (s) => {
+    if (!s) return;
+    const cls = classes(st);
+    if (!cls) { parent.append(s); return; }
+    const sp = document.createElement("span"); sp.className = cls; sp.textContent = s; parent.appendChild(sp);
+  };
+  const re = /\x1b\[([0-9;]*)m/g;
+  let pos = 0, m;
+  while ((m = re.exec(text))) { put(text.slice(pos, m.index)); sgr(st, m[1]); pos = re.lastIndex; }
+  put(text.slice(pos));
+}
+function line(parent, text, st) {  // after "\r", characters write over the line from its start
+  if (!text.includes("\r")) { ansi(parent, text, st); return; }
+  const cells = [];
+  let col = 0;
+  for (const part of text.replace(OTHER, "").split(/(\r|\x1b\[[0-9;]*m)/)) {
+    if (part === "\r") col = 0;
+    else if (part.startsWith("\x1b[")) sgr(st, part.slice(2, -1));
+    else for (const ch of part) { cells[col++] = [ch, classes(st)]; }
   }
-  const p = document.createElement("pre"); p.textContent = d["text/markdown"] || d["text/plain"] || ""; return p;
+  let run = "", cls = null;
+  const flush = () => {
+    if (!run) return;
+    if (!cls) parent.append(run);
+    else { const sp = document.createElement("span"); sp.className = cls; sp.textContent = run; parent.appendChild(sp); }
+    run = "";
+  };
+  for (const [ch, c] of cells) { if (c !== cls) flush(); run += ch; cls = c; }
+  flush();
+}
+function block(stream) {
+  const div = document.createElement("div");
+  div.className = `jp-RenderedText monarch-${stream}`;
+  div.dataset.mimeType = `application/vnd.jupyter.${stream}`; div.dataset.stream = stream;
+  const pre = document.createElement("pre");
+  const done = document.createElement("span"), tail = document.createElement("span");
+  pre.append(done, tail); div.appendChild(pre);
+  return { div, stream, done, tail, rest: "", st: { fg: null, bg: null, bold: false, underline: false } };
+}
+function write(b, chunk) {
+  const lines = (b.rest + chunk).replace(/\r\n/g, "\n").split("\n");
+  b.rest = lines.pop();  // the line still being written: drawn again with each chunk
+  for (const l of lines) { line(b.done, l, b.st); b.done.append("\n"); }
+  b.tail.replaceChildren();
+  line(b.tail, b.rest, { ...b.st });
 }
 export default {
   initialize({ model }) {
@@ -44,29 +112,31 @@ export default {
     root.className = "monarch-ranks";
     el.appendChild(root);
     const areas = new Map();
-    const body = (it) => {
+    const area = (it) => {
       let a = areas.get(it.r);
       if (!a) {
-        a = document.createElement("div"); a.className = "monarch-rank"; a.dataset.label = it.l;
+        const div = document.createElement("div"); div.className = "monarch-rank"; div.dataset.label = it.l;
         const h = document.createElement("div"); h.className = "monarch-rank-label"; h.textContent = `[${it.l}]`;
-        const b = document.createElement("div"); b.className = "monarch-rank-body";
-        a.append(h, b);
+        const body = document.createElement("div"); body.className = "monarch-rank-body";
+        div.append(h, body);
         let next = null;
-        for (const [r, x] of areas) if (r > it.r && (next === null || r < next[0])) next = [r, x];
-        root.insertBefore(a, next ? next[1] : null);
+        for (const [r, x] of areas) if (r > it.r && (next === null || r < next[0])) next = [r, x.div];
+        root.insertBefore(div, next ? next[1] : null);
+        a = { div, body, last: null };
         areas.set(it.r, a);
       }
-      return a.lastChild;
+      return a;
     };
     const add = (items) => {
       for (const it of items) {
-        const b = body(it);
-        if (it.s === "display") { b.appendChild(bundle(it.d)); continue; }
-        let p = b.lastChild;
-        if (!p || p.dataset.stream !== it.s) {
-          p = document.createElement("pre"); p.className = `monarch-${it.s}`; p.dataset.stream = it.s; b.appendChild(p);
+        const a = area(it);
+        if (it.s === "display") {
+          const t = document.createElement("template"); t.innerHTML = it.h;
+          a.body.append(...t.content.childNodes); a.last = null;
+          continue;
         }
-        p.textContent += it.t;
+        if (!a.last || a.last.stream !== it.s) { a.last = block(it.s); a.body.appendChild(a.last.div); }
+        write(a.last, it.t);
       }
     };
     add(st.log);
@@ -81,38 +151,36 @@ class RankLog:
     """Everything the ranks of one cell wrote, in order per rank: text and rich displays."""
 
     def __init__(self) -> None:
-        self.ranks: dict[int, tuple[str, list[dict]]] = {}
+        self.ranks: dict[int, tuple[str, list[tuple[str, str | dict]]]] = {}
+        """Rank -> (its label, its chunks in order: ``(stream, text)`` or ``("display", mime bundle)``)."""
 
     def add(self, rank: int, label: str, stream: str, text: str = "", data: dict | None = None) -> dict:
-        """Record one chunk; returns it in the form the live view takes."""
-        item = {"r": rank, "l": label, "s": stream}
+        """Record one chunk; returns it in the form the live view takes (a display as HTML). An ``"error"``
+        (a failed rank's traceback while others went on) is shown live as stderr and left out of the static
+        view, where the cell's error shows it."""
+        if stream == "error":
+            return {"r": rank, "l": label, "s": "stderr", "t": text}
+        chunk = (data or {}) if stream == "display" else text
+        self.ranks.setdefault(rank, (label, []))[1].append((stream, chunk))
         if stream == "display":
-            item["d"] = data or {}
-        else:
-            item["t"] = text
-        self.ranks.setdefault(rank, (label, []))[1].append(item)
-        return item
+            return {"r": rank, "l": label, "s": stream, "h": render.bundle_html(chunk, render.MATHML)}
+        return {"r": rank, "l": label, "s": stream, "t": text}
 
     def __bool__(self) -> bool:
         return bool(self.ranks)
 
     def html(self) -> str:
+        """The static view: math as TeX, typeset by the MathJax of JupyterLab or nbconvert."""
         out = ['<div class="monarch-ranks">']
         for rank in sorted(self.ranks):
-            label, items = self.ranks[rank]
+            label, chunks = self.ranks[rank]
             out.append(f'<div class="monarch-rank" data-label="{esc(label)}">')
             out.append(f'<div class="monarch-rank-label">[{esc(label)}]</div><div class="monarch-rank-body">')
-            stream, text = None, []
-            for it in [*items, {"s": None}]:
-                if it["s"] != stream and text:
-                    out.append(f'<pre class="monarch-{stream}" data-stream="{stream}">{esc("".join(text))}</pre>')
-                    text = []
-                stream = it["s"]
+            for stream, run in _runs(chunks):
                 if stream == "display":
-                    out.append(_bundle_html(it["d"]))
-                    stream = None
-                elif stream is not None:
-                    text.append(it["t"])
+                    out.append(render.bundle_html(run, render.TEX))
+                else:
+                    out.append(render.stream_html(stream, run))
             out.append("</div></div>")
         out.append("</div>")
         return "".join(out)
@@ -120,9 +188,12 @@ class RankLog:
     def text(self) -> str:
         lines = []
         for rank in sorted(self.ranks):
-            label, items = self.ranks[rank]
-            chunks = [it["t"] if it["s"] != "display" else it["d"].get("text/plain", "") + "\n" for it in items]
-            lines += [f"[{label}] {line}" for line in "".join(chunks).splitlines()]
+            label, chunks = self.ranks[rank]
+            parts = [
+                str(run.get("text/plain", "")) + "\n" if stream == "display" else render.plain(run)
+                for stream, run in _runs(chunks)
+            ]
+            lines += [f"[{label}] {line}" for line in "".join(parts).splitlines()]
         return "\n".join(lines)
 
     def bundle(self) -> dict:
@@ -130,15 +201,15 @@ class RankLog:
         return {"text/plain": self.text(), "text/html": page(self.html())}
 
 
-def _bundle_html(d: dict) -> str:
-    for mime, kind in (("image/png", "png"), ("image/jpeg", "jpeg")):
-        if mime in d:
-            return f'<img src="data:image/{kind};base64,{d[mime]}"/>'
-    if "image/svg+xml" in d:
-        return f"<div>{d['image/svg+xml']}</div>"
-    if "text/html" in d:
-        return f"<div>{d['text/html']}</div>"
-    return f"<pre>{esc(d.get('text/markdown') or d.get('text/plain', ''))}</pre>"
+def _runs(chunks: list[tuple[str, str | dict]]) -> list[tuple[str, str | dict]]:
+    """Consecutive text of one stream joined (a carriage return may act on text of an earlier chunk)."""
+    out: list[tuple[str, str | dict]] = []
+    for stream, chunk in chunks:
+        if out and stream != "display" and out[-1][0] == stream:
+            out[-1] = (stream, out[-1][1] + chunk)
+        else:
+            out.append((stream, chunk))
+    return out
 
 
 class RankOutput(StaticFallbackWidget):

@@ -7,22 +7,47 @@ from __future__ import annotations
 
 import html
 
-CSS = """
-.monarch-ranks{display:flex;flex-direction:column;gap:4px;font-family:var(--jp-code-font-family,monospace);font-size:var(--jp-code-font-size,13px)}
-.monarch-rank{display:flex;gap:8px;border-left:3px solid #8a6fd1;padding-left:6px}
-.monarch-rank-label{color:#6a4fb1;white-space:nowrap;min-width:6em;font-weight:600}
+_ANSI = {  # JupyterLab's terminal colours (rendermime's base.css), for pages without its stylesheet
+    "black": "#3e424d", "red": "#e75c58", "green": "#00a250", "yellow": "#ddb62b", "blue": "#208ffb",
+    "magenta": "#d160c4", "cyan": "#60c6c8", "white": "#c5c1b4",
+}  # fmt: skip
+_ANSI_INTENSE = {
+    "black": "#282c36", "red": "#b22b31", "green": "#007427", "yellow": "#b27d12", "blue": "#0065ca",
+    "magenta": "#a03196", "cyan": "#258f8f", "white": "#a1a6b2",
+}  # fmt: skip
+
+# Colours come from JupyterLab's theme variables (light or dark), with light fallbacks for pages that
+# have none (nbconvert's classic template, GitHub).
+CSS = (
+    """
+.monarch-ranks{display:flex;flex-direction:column;gap:4px;font-family:var(--jp-code-font-family,monospace);font-size:var(--jp-code-font-size,13px);color:var(--jp-content-font-color1,inherit)}
+.monarch-rank{display:flex;gap:8px;border-left:3px solid var(--jp-brand-color2,#8a6fd1);padding-left:6px}
+.monarch-rank-label{color:var(--jp-brand-color1,#6a4fb1);white-space:nowrap;min-width:6em;font-weight:600}
 .monarch-rank-body{flex:1;min-width:0}
-.monarch-rank-body pre{margin:0;white-space:pre-wrap;word-break:break-word;background:none;padding:0}
-.monarch-rank-body pre.monarch-stderr{background:#fdd}
-.monarch-table{border-collapse:collapse;font-size:12px}
-.monarch-table th,.monarch-table td{padding:2px 8px;text-align:left;border-bottom:1px solid #ddd;font-family:var(--jp-code-font-family,monospace)}
+.monarch-ranks .monarch-rank-body pre{margin:0;white-space:pre-wrap;word-break:break-word;background:transparent;padding:0;color:inherit}
+.monarch-rank-body .jp-RenderedText{padding:0}
+.monarch-rank-body .monarch-stderr{background:var(--jp-rendermime-error-background,#fdd)}
+.monarch-rank-body .monarch-display{padding:2px 0}
+.monarch-ranks .ansi-bold{font-weight:bold}.monarch-ranks .ansi-underline{text-decoration:underline}
+.monarch-table{border-collapse:collapse;font-size:12px;color:var(--jp-content-font-color1,inherit)}
+.monarch-table th,.monarch-table td{padding:2px 8px;text-align:left;border-bottom:1px solid var(--jp-border-color2,#ddd);font-family:var(--jp-code-font-family,monospace)}
 .monarch-table caption{text-align:left;font-weight:600;padding:2px 0}
-.monarch-status-idle{color:#2a7d2a}.monarch-status-busy{color:#b36b00}.monarch-status-failed{color:#c00;font-weight:600}
-.monarch-status-stopped{color:#888}
+.monarch-status-idle{color:var(--jp-success-color1,#2a7d2a)}.monarch-status-busy{color:var(--jp-warn-color1,#b36b00)}
+.monarch-status-failed{color:var(--jp-error-color1,#c00);font-weight:600}.monarch-status-stopped{color:var(--jp-ui-font-color2,#888)}
 .monarch-tensor select{margin:2px 0 4px 0}
 .monarch-tensor pre{margin:0}
-.monarch-debugger{border:1px solid #c9b8ef;padding:4px 8px;font-family:var(--jp-code-font-family,monospace)}
-""".strip()
+.monarch-debugger{border:1px solid var(--jp-border-color1,#c9b8ef);padding:4px 8px;font-family:var(--jp-code-font-family,monospace)}
+.monarch-progress{font-family:var(--jp-code-font-family,monospace);color:var(--jp-ui-font-color2,#666)}
+"""
+    + "".join(
+        f".monarch-ranks .ansi-{n}-fg{{color:{c}}}.monarch-ranks .ansi-{n}-bg{{background-color:{c}}}"
+        for n, c in _ANSI.items()
+    )
+    + "".join(
+        f".monarch-ranks .ansi-{n}-intense-fg{{color:{c}}}.monarch-ranks .ansi-{n}-intense-bg{{background-color:{c}}}"
+        for n, c in _ANSI_INTENSE.items()
+    )
+).strip()
 
 
 def esc(text: object) -> str:

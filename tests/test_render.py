@@ -1,0 +1,59 @@
+"""Worker output drawn as Jupyter draws it: carriage returns, ANSI colours, Markdown, LaTeX, other mime types.
+
+The live view's script follows the same rules; the browser test checks it in a real JupyterLab."""
+
+from monarch.widgets import RankLog, render
+
+
+def test_a_progress_bar_redrawn_with_carriage_returns_leaves_one_line():
+    bar = "".join(f"\r{p:3d}%|{'#' * (p // 10):<10}|" for p in range(0, 101, 10)) + "\n"
+    log = RankLog()
+    for i in range(0, len(bar), 7):  # in chunks, as it arrives
+        log.add(0, "gpu=0", "stderr", bar[i : i + 7])
+    assert log.text() == "[gpu=0] 100%|##########|"
+    assert "100%|##########|\n</pre>" in log.html() and " 90%" not in log.html()
+
+
+def test_carriage_return_writes_over_the_line_as_a_terminal_does():
+    assert render.collapse_cr("abcdef\rxy\nnext\r\n") == "xycdef\nnext\n"
+    assert render.plain("\x1b[31mred\x1b[0m 10%\r100%") == "100%10%"  # colours take no columns
+
+
+def test_ansi_colours_become_jupyterlab_classes_and_carry_over_lines():
+    html = render.terminal_html("\x1b[31mred\nstill red\x1b[0m plain \x1b[1;92mbold green\x1b[2K")
+    assert html == (
+        '<span class="ansi-red-fg">red</span>\n<span class="ansi-red-fg">still red</span> plain '
+        '<span class="ansi-green-intense-fg ansi-bold">bold green</span>'
+    )
+    assert render.terminal_html("<b>&") == "&lt;b&gt;&amp;"
+
+
+def test_markdown_and_latex_live_as_mathml_and_saved_as_tex_for_mathjax():
+    md = {"text/markdown": "**rank 1** draws $y = x^{2}$ and `cost $5`", "text/plain": "<Markdown>"}
+    live = render.bundle_html(md, render.MATHML)
+    assert "<strong>rank 1</strong>" in live and '<math xmlns="http://www.w3.org/1998/Math/MathML"' in live
+    assert "<msup><mi>x</mi>" in live and "<code>cost $5</code>" in live  # code is not math
+    saved = render.bundle_html(md, render.TEX)
+    assert "<strong>rank 1</strong> draws $y = x^{2}$" in saved and "<math" not in saved
+    assert 'class="jp-RenderedHTMLCommon monarch-display"' in saved
+    latex = render.bundle_html({"text/latex": r"$$\int_0^1 x\,dx = \frac{1}{2}$$"}, render.MATHML)
+    assert '<math xmlns="http://www.w3.org/1998/Math/MathML" display="block"' in latex and "<mfrac>" in latex
+    assert render.bundle_html({"text/latex": r"\(a_i\)"}, render.TEX).endswith(r"$a_i$</div>")
+
+
+def test_every_mime_type_picks_what_jupyterlab_would_show():
+    assert "<i>x</i>" in render.bundle_html({"text/html": "<i>x</i>", "text/plain": "x"})
+    assert "<svg" in render.bundle_html({"image/svg+xml": "<svg></svg>", "image/png": "AA"})
+    for mime in ("image/png", "image/jpeg", "image/gif", "image/webp"):
+        assert f'<img src="data:{mime};base64,QUJD"/>' in render.bundle_html({mime: "QUJD"})
+    assert 'type="application/pdf"' in render.bundle_html({"application/pdf": "JVBE"})
+    assert "&quot;a&quot;: 1" in render.bundle_html({"application/json": {"a": 1}})
+    plain = render.bundle_html({"text/plain": "\x1b[31mtensor\x1b[0m"})
+    assert '<span class="ansi-red-fg">tensor</span>' in plain and 'data-mime-type="text/plain"' in plain
+
+
+def test_the_live_view_gets_displays_as_html_and_stream_text_as_is():
+    log = RankLog()
+    item = log.add(2, "gpu=2", "display", data={"text/markdown": "# Title"})
+    assert item == {"r": 2, "l": "gpu=2", "s": "display", "h": item["h"]} and "<h1>Title</h1>" in item["h"]
+    assert log.add(2, "gpu=2", "stdout", "\rtext") == {"r": 2, "l": "gpu=2", "s": "stdout", "t": "\rtext"}
