@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import signal
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 
 from monarch.runtime.protocol import ErrorInfo
 from monarch.runtime.shape import format_ranks
@@ -23,6 +25,13 @@ class Failure:
     """`str()` of the exception."""
     traceback: str
     """The worker's formatted traceback (user frames only)."""
+    messages: list[str] = field(default_factory=list)
+    """Each rank's own message, in the order of `ranks` (`message` marks the numbers that differ)."""
+
+    @property
+    def varies(self) -> bool:
+        """Whether the ranks' messages differ (in numbers only: other differences make other failures)."""
+        return len(set(self.messages)) > 1
 
     def where(self) -> str:
         if len(self.ranks) == 1:
@@ -133,6 +142,8 @@ def _describe(head: str, failures: list[Failure]) -> str:
     for f in failures:
         lines.append("")
         lines.append(f"-- {f.where()}: {f.exc_type}: {f.message}".rstrip())
+        if f.varies:
+            lines.append("   ({...}: the values these ranks had)")
         lines.append(f.traceback.rstrip())
     return "\n".join(lines)
 
@@ -163,15 +174,86 @@ class WorkerDiedError(RemoteError):
 
 
 def group_failures(raw: list[tuple[int, str, ErrorInfo]]) -> list[Failure]:
-    """`[(rank, label, error)]` -> one `Failure` per distinct error."""
-    groups: dict[ErrorInfo, Failure] = {}
+    """`[(rank, label, error)]` -> one `Failure` per kind of error: the same type, raised at the same place,
+    with messages that differ at most in numbers (a rank, a device, a size). Those numbers are marked:
+    ``bad input on gpu {0..7}``."""
+    groups: dict[tuple, list[tuple[int, str, ErrorInfo, list[str], list[str]]]] = {}
     for rank, label, info in sorted(raw, key=lambda r: r[0]):
-        key = info
-        if key not in groups:
-            groups[key] = Failure([], [], info.exc_type, info.message, info.traceback)
-        groups[key].ranks.append(rank)
-        groups[key].labels.append(label)
-    return list(groups.values())
+        tb = name_cells(info.traceback)
+        msg_parts, tb_parts = _NUMBERS.split(info.message), _NUMBERS.split(tb)
+        key = (info.exc_type, tuple(msg_parts[::2]), tuple(tb_parts[::2]), tuple(_kept(tb_parts)))
+        groups.setdefault(key, []).append((rank, label, info, msg_parts, tb_parts))
+    out = []
+    for members in groups.values():
+        rank, label, info, msg_parts, tb_parts = members[0]
+        out.append(
+            Failure(
+                [m[0] for m in members],
+                [m[1] for m in members],
+                info.exc_type,
+                _marked(msg_parts, [m[3] for m in members]),
+                _marked(tb_parts, [m[4] for m in members]),
+                [m[2].message for m in members],
+            )
+        )
+    return out
+
+
+_NUMBERS = re.compile(r"(\d+(?:\.\d+)?)")
+_PLACE = re.compile(r"(line |In\[)$")
+"""Numbers that say where (a line, a cell): never marked, they tell places apart."""
+
+
+def _kept(parts: list[str]) -> list[str]:
+    return [parts[i] for i in range(1, len(parts), 2) if _PLACE.search(parts[i - 1])]
+
+
+def _marked(first: list[str], all_parts: list[list[str]]) -> str:
+    """`first` (text split around its numbers) with each number that differs between the ranks replaced
+    by the values they had."""
+    out = list(first)
+    for i in range(1, len(first), 2):
+        values = [parts[i] for parts in all_parts]
+        if len(set(values)) > 1:
+            out[i] = _values(values)
+    return "".join(out)
+
+
+def _values(values: list[str]) -> str:
+    """``{0..7}`` for a run of integers, else ``{1,5,9}`` (at most six, then an ellipsis)."""
+    unique = sorted(set(values), key=float)
+    if all(v.isdigit() for v in unique) and len(unique) > 2 and int(unique[-1]) - int(unique[0]) == len(unique) - 1:
+        return f"{{{unique[0]}..{unique[-1]}}}"
+    if len(unique) > 6:
+        unique = [*unique[:3], "…", *unique[-2:]]
+    return "{" + ",".join(unique) + "}"
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def cell_name(filename: str) -> str | None:
+    """`Cell In[5]` for code of notebook cell 5: the file IPython compiled it into, or a `%%mesh` cell's
+    `<mesh cell 5>`; None for any other file."""
+    if filename.startswith("<mesh cell ") and filename.endswith(">"):
+        return f"Cell In[{filename[len('<mesh cell ') : -1]}]"
+    ip = sys.modules.get("IPython")  # (never imported here: only looked up where a notebook runs)
+    shell = ip.get_ipython() if ip is not None else None
+    number = getattr(getattr(shell, "compile", None), "_filename_map", {}).get(filename)
+    return None if number is None else f"Cell In[{number}]"
+
+
+def name_cells(traceback: str) -> str:
+    """A worker's traceback with frames of notebook cells named as IPython names them:
+    ``Cell In[5], line 4, in f`` instead of ``File "/tmp/ipykernel_81/3170.py", line 4, in f``."""
+
+    def name(m: re.Match) -> str:
+        cell = cell_name(m.group(1))
+        if cell is None:
+            return m.group(0)
+        return f"{cell}, line {m.group(2)}" + ("" if m.group(3) == "<module>" else f", in {m.group(3)}")
+
+    return _FRAME.sub(name, traceback) if "File " in traceback else traceback
 
 
 def exit_cause(exitcode: int | None) -> str:

@@ -17,7 +17,8 @@ class OutputEvent:
     label: str
     """The worker's coordinates, e.g. ``"gpu=3"``."""
     stream: str
-    """``"stdout"``, ``"stderr"``, or ``"display"`` for a rich display (then `data` holds it)."""
+    """``"stdout"``, ``"stderr"``, ``"display"`` for a rich display (then `data` holds it), or ``"error"``: the
+    traceback of a rank that failed while others went on (the call's error shows it again when it ends)."""
     text: str
     data: dict | None = None
     """A display's mime bundle (``{"text/plain": ..., "image/png": ...}``)."""
@@ -39,7 +40,7 @@ class LineLabeller:
             self.at_line_start = dict.fromkeys(self.at_line_start, True)
 
     def __call__(self, ev: OutputEvent) -> None:
-        out = sys.stdout if ev.stream != "stderr" else sys.stderr
+        out = sys.stderr if ev.stream in ("stderr", "error") else sys.stdout
         if out is None:
             return
         if ev.stream == "display":  # a rich display: its text form

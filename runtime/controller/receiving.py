@@ -209,18 +209,24 @@ class Receiver:
             if c.listeners:
                 c.changed(pending.mesh)
         elif not msg.ok and env.rank not in pending.released:
-            self._show_error_now(pending, env)
+            self._keep_early_error(pending, env)
             c.failed_while_others_run(pending)
 
-    def _show_error_now(self, pending: Any, env: Any) -> None:
-        """A rank failed while others still run: its traceback goes to the call's output at once (the call's
-        error, all ranks together, comes when it ends)."""
+    def _keep_early_error(self, pending: Any, env: Any) -> None:
+        """A rank failed while others still run: if they go on (waiting for it in a collective, say), its
+        traceback goes to the call's output, as `"error"` (the call's error shows it again when it ends)."""
         try:
             info = wire.loads(env.body, env.buffers)
         except Exception:
             return
         if info.exc_type != protocol.RELEASED:
-            self._event(env, "stderr", info.traceback or f"{info.exc_type}: {info.message}\n")
+            pending.early_errors.append((env, info.traceback or f"{info.exc_type}: {info.message}\n"))
+
+    def show_early_errors(self, pending: Any) -> None:
+        """Show the tracebacks of ranks that failed while the call goes on (a timer thread, once)."""
+        errors, pending.early_errors = pending.early_errors, []
+        for env, text in errors:
+            self._event(env, "error", text)
 
     def _on_released(self, env: Any) -> None:
         pending = self.controller.calls.get(env.message.call_id)

@@ -73,3 +73,5 @@ class PendingCall:
     """Rank -> `protocol.Released`: ranks taken out of a collective the failed rank never reached."""
     busy: dict[int, Any] = field(default_factory=dict)
     """Rank -> its latest `protocol.Busy` report."""
+    early_errors: list[tuple[Any, str]] = field(default_factory=list)
+    """(envelope, traceback) of ranks that failed while others ran: shown at once if the call goes on."""

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from monarch.runtime.errors import cell_name
 from monarch.runtime.tensor.streams import Stream
 
 _RUNTIME = os.path.dirname(os.path.dirname(__file__))
@@ -54,14 +55,6 @@ def where() -> str:
 _NOT_USERS = (_RUNTIME, _TORCH, threading.__file__)
 issuer = threading.local()
 """`.where`: set on threads whose ops are issued on behalf of one user line."""
-
-
-def cell_name(filename: str) -> str | None:
-    """`Cell In[5]` for the file IPython compiled cell 5 into, else None."""
-    ip = sys.modules.get("IPython")
-    shell = ip.get_ipython() if ip is not None else None
-    number = getattr(getattr(shell, "compile", None), "_filename_map", {}).get(filename)
-    return None if number is None else f"Cell In[{number}]"
 
 
 def check_same_mesh(what: Any, t: Any, mesh) -> None:

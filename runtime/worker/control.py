@@ -8,6 +8,9 @@ and looks at what the main thread is doing:
 - RELEASE: if it waits in a torch.distributed collective, shut this worker's connections to the other
   workers down, so that the collective raises here and on its peers; report `Released`;
 - REPORT (or RELEASE while not in a collective): report `Busy` with the user's line it is at.
+
+A rank whose peer was released first sees its collective fail (the connections shut) perhaps before its
+own control thread has run: the main thread then claims the release itself (`claim_release`).
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ import signal
 import struct
 import sys
 import threading
+import time
 import traceback
-from types import FrameType
+from types import CodeType, FrameType, TracebackType
 from typing import Any
 
 from monarch.runtime import protocol
@@ -63,35 +67,72 @@ class Control:
             return  # that call is over here (the request crossed its reply)
         collective, where = describe(sys._current_frames().get(self.main))
         if kind == protocol.RELEASE and collective and w.released is None and groups.current is not None:
-            w.released = (collective, where)
-            # said before it is done: the call's reply (its collective raises at once) must come after this
-            w.send(protocol.Released(call_id, collective, where, len(groups.current.users())))
-            groups.current.release()
+            self._release(call_id, collective, where)
         else:
             w.send(protocol.Busy(w.call_id, where, collective))
+
+    def _release(self, call_id: int, collective: str, where: str) -> None:
+        from monarch.runtime.worker import groups
+
+        self.worker.released = (collective, where)
+        # said before it is done: the call's reply (its collective raises at once) must come after this
+        self.worker.send(protocol.Released(call_id, collective, where, len(groups.current.users())))
+        groups.current.release()
+
+    def claim_release(self, call_id: int, error: BaseException, wait: float = 0.2) -> bool:
+        """The main thread's call failed in a collective: if the controller asked this rank to leave it (a
+        peer, released first, shut its connections before this rank's control thread ran), it was released,
+        not failed. Waits up to `wait` seconds for the request (the controller asks every busy rank at once)."""
+        from monarch.runtime.worker import groups
+
+        collective, where = describe_traceback(error.__traceback__)
+        if not collective or self.worker.released is not None or groups.current is None:
+            return False
+        deadline = time.monotonic() + wait
+        while True:
+            _, asked, kind = _REQUEST.unpack_from(self.slots, self.offset)
+            if asked == call_id and kind == protocol.RELEASE:
+                self._release(call_id, collective, where)
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
 
 
 def describe(frame: FrameType | None) -> tuple[str, str]:
     """(the torch.distributed function the thread waits in, or "", the user's line it is at)."""
+    frames = []
+    while frame is not None:
+        frames.append((frame.f_code, frame.f_lineno))
+        frame = frame.f_back
+    return _describe(frames)
+
+
+def describe_traceback(tb: TracebackType | None) -> tuple[str, str]:
+    """`describe` for where an exception was raised."""
+    frames = []
+    while tb is not None:
+        frames.append((tb.tb_frame.f_code, tb.tb_lineno))
+        tb = tb.tb_next
+    return _describe(frames[::-1])
+
+
+def _describe(frames: list[tuple[CodeType, int]]) -> tuple[str, str]:
+    """`describe` of frames given innermost first, as (code, line)."""
     import torch
 
     torch_dir = os.path.dirname(torch.__file__)
-    frames = []
-    while frame is not None:
-        frames.append(frame)
-        frame = frame.f_back
-    collective, outer = "", 0  # frames[0] is the innermost
-    for i, f in enumerate(frames):
-        filename = f.f_code.co_filename
-        if os.path.join("torch", "distributed") in filename:
-            name = f.f_code.co_name
+    collective, outer = "", 0
+    for i, (code, _) in enumerate(frames):
+        if os.path.join("torch", "distributed") in code.co_filename:
+            name = code.co_name
             if name not in _WRAPPERS and not name.startswith("_"):
                 collective, outer = name, i
-    for f in frames[outer:]:
-        filename = f.f_code.co_filename
+    for code, line in frames[outer:]:
+        filename = code.co_filename
         if filename.startswith((torch_dir, _RUNTIME)) or filename == threading.__file__:
             continue
-        return collective, where(filename, f.f_lineno, f.f_code.co_name)
+        return collective, where(filename, line, code.co_name)
     return collective, "?"
 
 

@@ -6,6 +6,7 @@ milliseconds. `main.run` is the process entry point.
 
 from __future__ import annotations
 
+import bdb
 import collections
 import datetime
 import itertools
@@ -228,10 +229,14 @@ class Worker:
             self.in_user_code = True
             try:
                 value = fn(*args, **kwargs)
+            except bdb.BdbQuit:
+                value = None  # `q` at a pdb prompt: the call ends quietly on this rank, as a cell does
             finally:
                 self.in_user_code = False
         except BaseException as e:
             ok, value = False, _describe(e)
+            if self.released is None and isinstance(e, Exception):
+                self.control.claim_release(call_id, e)
             if self.released is not None:  # its collective raised because we shut its connections down
                 collective, where = self.released
                 value = protocol.ErrorInfo(RELEASED, f"released from {collective} at {where}", "")
