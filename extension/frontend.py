@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from monarch.runtime.controller import Controller, InputRequest
+from monarch.runtime.controller import Controller, InputRequest, SpawnProgress
 
 
 def in_kernel(ip: Any) -> bool:
@@ -32,6 +33,30 @@ def _mesh_table_bundle(table) -> dict | None:
     if mesh is None:
         return None
     return MeshTableWidget(mesh)._repr_mimebundle_()
+
+
+class NotebookProgress(SpawnProgress):
+    """A mesh's start shown in the cell that starts it, one line updated in place (at most ten times a
+    second), ending as ``monarch: 4 workers {gpu: 4} ready in 1.05 s``."""
+
+    def __init__(self, what: str, total: int) -> None:
+        from IPython.display import display
+
+        super().__init__(what, total)
+        self.shown = time.monotonic()
+        self.handle = display({"text/plain": self.text()}, raw=True, display_id=True)
+
+    def update(self, ready: int) -> None:
+        changed = ready != self.ready
+        self.ready = ready
+        now = time.monotonic()
+        if self.handle is not None and (changed or now - self.shown >= 0.1) and now - self.shown >= 0.05:
+            self.handle.update({"text/plain": self.text()}, raw=True)
+            self.shown = now
+
+    def finish(self, error: BaseException | None) -> None:
+        if self.handle is not None:
+            self.handle.update({"text/plain": self.final_text(error)}, raw=True)
 
 
 class NotebookStdin:

@@ -44,10 +44,13 @@ class Backend(ABC):
     replies: Replies
 
     @abstractmethod
-    def start(self, mesh_id: int, shape: Shape, labels: list[str]) -> list[dict]:
+    def start(
+        self, mesh_id: int, shape: Shape, labels: list[str], progress: Callable[[int], None] | None = None
+    ) -> list[dict]:
         """Start one worker per point of `shape`; return once every one is ready, with each worker's
-        ``{"pid", "host", "device"}``. Raises (naming the rank) if one fails to start, and `TimeoutError`
-        after the spawn timeout; nothing is left running then."""
+        ``{"pid", "host", "device"}``. Meanwhile `progress(ready)` is called several times a second with the
+        number of workers ready, on the calling thread. Raises (naming the rank) if one fails to start, and
+        `TimeoutError` after the spawn timeout; nothing is left running then."""
 
     @abstractmethod
     def send(self, mesh_id: int, ranks: tuple[int, ...] | None, message: Any, body: list | None = None) -> None:

@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +84,9 @@ class LocalBackend(Backend):
         self._monitor.start()
 
     # -- starting ------------------------------------------------------------------------------------
-    def start(self, mesh_id: int, shape: Shape, labels: list[str]) -> list[dict]:
+    def start(
+        self, mesh_id: int, shape: Shape, labels: list[str], progress: Callable[[int], None] | None = None
+    ) -> list[dict]:
         n = len(shape)
         process_cls = _forkserver()  # starts it: it imports torch while we carry on
         fs_pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
@@ -111,7 +114,7 @@ class LocalBackend(Backend):
                     mesh.procs.append(p)
                     self._sentinels[p.sentinel] = (mesh_id, rank)
                 self._wake()
-            self._await_ready(mesh_id, mesh)
+            self._await_ready(mesh, progress)
         except BaseException:
             self._kill(mesh)
             mesh.all_exited.wait(2)
@@ -123,12 +126,16 @@ class LocalBackend(Backend):
         mesh.running = True
         return [mesh.ready[r] for r in range(n)]
 
-    def _await_ready(self, mesh_id: int, mesh: _Mesh) -> None:
+    def _await_ready(self, mesh: _Mesh, progress: Callable[[int], None] | None) -> None:
         n = len(mesh.shape)
         what = f"spawning mesh {mesh.shape.describe()}"
         deadline = time.monotonic() + self.settings.spawn_timeout
-        with self._changed:
-            while len(mesh.ready) < n:
+        while True:
+            if progress is not None:
+                progress(len(mesh.ready))  # (not under the lock: it may write to a notebook)
+            with self._changed:
+                if len(mesh.ready) >= n:
+                    return
                 if mesh.start_error is not None:
                     rank, tb = mesh.start_error
                     raise RuntimeError(f"{what}: rank {rank} ({mesh.labels[rank]}) failed to start:\n{tb}")

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from monarch.runtime.controller.core import Controller
 from monarch.runtime.controller.output import LineLabeller, OutputEvent
+from monarch.runtime.controller.progress import SpawnProgress
 from monarch.runtime.controller.state import PendingCall, SpawnedMesh
 from monarch.runtime.controller.stdin import InputRequest
 
@@ -20,6 +21,7 @@ __all__ = [
     "LineLabeller",
     "OutputEvent",
     "PendingCall",
+    "SpawnProgress",
     "SpawnedMesh",
     "current",
     "get_controller",

@@ -20,6 +20,7 @@ from monarch.runtime import backends, protocol
 from monarch.runtime.backends.transport import HOLD
 from monarch.runtime.config import Settings, settings
 from monarch.runtime.controller.output import LineLabeller, OutputEvent
+from monarch.runtime.controller.progress import SpawnProgress, TerminalProgress
 from monarch.runtime.controller.receiving import Receiver
 from monarch.runtime.controller.state import PendingCall, SpawnedMesh
 from monarch.runtime.controller.stdin import StdinService
@@ -42,6 +43,8 @@ class Controller:
         self.output: Callable[[OutputEvent], None] = LineLabeller()
         """Where worker output and displays go; the notebook extension routes them per cell."""
         self.stdin = StdinService(self)
+        self.spawn_progress: Callable[[str, int], SpawnProgress] = TerminalProgress
+        """Makes what shows a mesh's start, from its shape and size (the notebook shows it in the cell)."""
         self.listeners: list[Callable[[SpawnedMesh], None]] = []
         """Called (on any thread) when a mesh's workers change state: busy, idle, failed, stopped."""
         self._ids = itertools.count(1)
@@ -61,11 +64,14 @@ class Controller:
         labels = [shape.label(c) for c, _ in shape.points()]
         mesh = SpawnedMesh(self, mesh_id, shape, labels)
         self.meshes[mesh_id] = mesh
+        progress = self.spawn_progress(shape.describe(), len(shape))
         try:
-            mesh.info = self.backend.start(mesh_id, shape, labels)
-        except BaseException:
+            mesh.info = self.backend.start(mesh_id, shape, labels, progress.update)
+        except BaseException as e:
             self.meshes.pop(mesh_id, None)
+            progress.finish(e)
             raise
+        progress.finish(None)
         mesh.state = "running"
         self.changed(mesh)
         return mesh
@@ -140,7 +146,8 @@ class Controller:
     # -- one rank failed, others still run ------------------------------------------------------------
     def failed_while_others_run(self, pending: PendingCall) -> None:
         """A rank answered `pending` with an error while others still run it: those waiting in a collective
-        for it would wait for ever. Ask them, soon and then twice a second, to leave it."""
+        for it would wait for ever. Show its traceback and ask them, soon and then twice a second, to leave
+        it (a call whose ranks all fail within `RELEASE_FIRST` shows each error once, when it ends)."""
         if pending.failed:
             return
         pending.failed = True
@@ -154,6 +161,8 @@ class Controller:
     def _release(self, pending: PendingCall) -> None:
         if pending.future.done() or self._closed or pending.mesh.state != "running":
             return
+        if pending.early_errors:  # the call goes on without the failed ranks: show why now
+            self.receiver.show_early_errors(pending)
         busy = tuple(r for r in pending.ranks if r not in pending.replies and r not in pending.released)
         if busy:
             self.backend.control(pending.mesh.mesh_id, busy, pending.call_id, protocol.RELEASE)

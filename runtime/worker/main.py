@@ -22,12 +22,23 @@ def run(cfg: Any) -> None:
     _die_with_parent(cfg.parent_pid)
     _exit_with_controller(cfg.controller_pid)
     os.setsid()  # terminal Ctrl-C goes to the controller, which forwards interrupts
+    name_process(f"monarch worker {cfg.label} mesh {cfg.keys.mesh_id}", f"monarch {cfg.label}")
     os.environ.update(cfg.env)
     os.chdir(cfg.cwd)
     sys.path[:] = cfg.sys_path
     from monarch.runtime.worker.worker import Worker
 
     Worker(cfg).run()
+
+
+def name_process(title: str, short: str) -> None:
+    """How `ps` and `top -c` show this process (`title`), and plain `top` (`short`, at most 15 bytes)."""
+    try:
+        import setproctitle
+    except ImportError:  # a dependency; without it the process keeps multiprocessing's command line
+        return
+    setproctitle.setproctitle(title)
+    setproctitle.setthreadtitle(short[:15])
 
 
 def _die_with_parent(parent: int | None) -> None:
