@@ -121,6 +121,11 @@ class CellRun:
     def done(self) -> bool:
         return self.future.done()
 
+    def interrupt(self) -> None:
+        """KeyboardInterrupt on the ranks still running this cell (Kernel > Interrupt reaches only the cell
+        being waited for, not a --noblock one); returns at once."""
+        self.future.interrupt()
+
     def result(self, timeout: float | None = None) -> ValueMesh:
         try:
             return self.future.result(timeout)

@@ -7,13 +7,17 @@
     %%mesh gpu=8 --noblock            return at once; output keeps arriving in the cell
     %%mesh gpu=8 --group arrival      output in arrival order, each line labelled (default: by rank)
     %%mesh gpu=8 --save run           keep the run's handle in `run` (run.result(), run.mesh)
+    %%mesh --replace gpu=4            stop the running mesh (its namespaces are lost), start this shape
 
-A shape different from the current implicit mesh's stops that mesh and starts a new one (the
-workers' namespaces start empty); the cell says so. Meshes given by name are never replaced.
+A shape different from the running implicit mesh's is refused, naming the running shape (its workers
+hold the cells' names; a typo such as `gpus=4` must not throw them away): `--replace` replaces it.
+Meshes given by name are never replaced. A `# comment` may end the magic line.
 """
 
 from __future__ import annotations
 
+import difflib
+import math
 import re
 import shlex
 from typing import Any
@@ -22,11 +26,11 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from monarch.extension.cell import ArrivalLines, CellRun, RankAreas
-from monarch.extension.frontend import NotebookStdin, in_kernel, register_formatters
+from monarch.extension.frontend import NotebookProgress, NotebookStdin, in_kernel, register_formatters
 
 _DIM = re.compile(r"^([A-Za-z_]\w*)=(.+)$")
 _NAME = re.compile(r"^[A-Za-z_][\w.]*$")
-_USAGE = "usage: %%mesh [DIM=SIZE ... | MESH_VARIABLE] [--on DIM=INDEX|START:STOP ...] [--noblock] [--group rank|arrival] [--save NAME]"
+_USAGE = "usage: %%mesh [DIM=SIZE ... | MESH_VARIABLE] [--on DIM=INDEX|START:STOP ...] [--noblock] [--group rank|arrival] [--save NAME] [--replace]"
 _LINE_USAGE = (
     "usage: %mesh [status | shutdown [--all] | restart | pull NAME ... | push NAME ...] [--mesh MESH_VARIABLE]"
 )
@@ -95,7 +99,7 @@ class MeshMagics(Magics):
                     "give a ProcMesh (from this_host().spawn_procs) or a shape like gpu=4"
                 )
         elif opts["sizes"]:
-            view = self._implicit(opts["sizes"])
+            view = self._implicit(opts["sizes"], opts.get("replace", False))
         elif self.implicit is not None and self.implicit.state == "running":
             view = self.implicit
         else:
@@ -107,17 +111,17 @@ class MeshMagics(Magics):
                 raise UsageError(f"%%mesh --on: {e}") from None
         return view
 
-    def _implicit(self, sizes: dict[str, int]) -> Any:
+    def _implicit(self, sizes: dict[str, int], replace: bool) -> Any:
         from monarch.actor import this_host
 
         old = self.implicit
         if old is not None and old.state == "running" and old.sizes == sizes:
             return old
         if old is not None and old.state == "running":
-            print(
-                f"monarch: stopping mesh {_describe(old.sizes)} to start {_describe(sizes)} (its namespaces are lost)"
-            )
+            if not replace:
+                raise UsageError(_shape_change(old.sizes, sizes))
             old.exit()
+            print(f"monarch: stopped mesh {_stopped(old)} to start {_describe(sizes)}; its namespaces are gone")
         self._ensure_controller()
         try:
             self.implicit = this_host().spawn_procs(sizes)
@@ -136,7 +140,10 @@ class MeshMagics(Magics):
         return self._line(line)
 
     def _line(self, line: str) -> Any:
-        args = shlex.split(line)
+        try:
+            args = shlex.split(line, comments=True)
+        except ValueError as e:
+            raise UsageError(f"%mesh: {e}\n{_LINE_USAGE}") from None
         target = None
         if "--mesh" in args:
             i = args.index("--mesh")
@@ -150,18 +157,26 @@ class MeshMagics(Magics):
             from monarch.runtime.controller import current
 
             controller = current()
-            if controller is not None:
-                controller.stop_all()
+            stopped = controller.stop_all() if controller is not None else []
             self.implicit = self.current = None
+            if not stopped:
+                print("monarch: no mesh was running")
+            else:
+                what = ", ".join(f"{m.shape.describe()} ({_workers(m.size)})" for m in stopped)
+                print(f"monarch: stopped {len(stopped)} mesh{'es' if len(stopped) > 1 else ''}: {what}")
             return None
         if cmd not in ("status", "shutdown", "restart", "pull", "push"):
             raise UsageError(f"%mesh: unknown command {cmd!r}\n" + _LINE_USAGE)
         if view is None:
             raise UsageError(f"%mesh {cmd}: no mesh yet; run a %%mesh cell first (e.g. %%mesh gpu=4)")
         if cmd == "status":
-            return view.to_table()
+            return view.to_table(ask=0.3)  # busy ranks say where they are
         if cmd == "shutdown":
-            view.exit()
+            if view.state in ("stopped", "failed"):
+                print(f"monarch: mesh {_stopped(view)} was already {view.state}; nothing to stop")
+            else:
+                view.exit()
+                print(f"monarch: stopped mesh {_stopped(view)}; its namespaces are gone")
             if self.implicit is not None and self.implicit.shares_workers_with(view):
                 self.implicit = None
             self.current = None
@@ -211,12 +226,41 @@ def _describe(sizes: dict[str, int]) -> str:
     return "{" + ", ".join(f"{k}: {v}" for k, v in sizes.items()) + "}"
 
 
+def _workers(n: int) -> str:
+    return f"{n} worker{'s' if n != 1 else ''}"
+
+
+def _stopped(view: Any) -> str:
+    """``{gpu: 4} (4 workers)``: what stopping `view` stops (every worker of its spawned mesh)."""
+    sizes = view.spawned_sizes
+    text = f"{_describe(sizes)} ({_workers(math.prod(sizes.values()))})"
+    return text if view.sizes == sizes else f"{text}, of which {view.describe()} was in use"
+
+
+def _shape_change(running: dict[str, int], asked: dict[str, int]) -> str:
+    """Why `%%mesh ASKED` did not replace the running mesh, and what to write instead."""
+    asked_text = " ".join(f"{k}={v}" for k, v in asked.items())
+    running_text = " ".join(f"{k}={v}" for k, v in running.items())
+    lines = [
+        f"%%mesh {asked_text}: a mesh {_describe(running)} is running, and its workers hold what your %%mesh "
+        f"cells defined; {_describe(asked)} would replace it and lose that."
+    ]
+    renamed = {(difflib.get_close_matches(k, list(running), 1, 0.6) or [k])[0]: v for k, v in asked.items()}
+    if renamed != asked and renamed == running:
+        lines.append(f"Did you mean {running_text}?")
+    lines.append(f"  to run on the running mesh:          %%mesh   (or %%mesh {running_text})")
+    lines.append(f"  to replace it (its names are lost):  %%mesh --replace {asked_text}")
+    return "\n".join(lines)
+
+
 def _parse_cell_args(line: str) -> dict:
     try:
-        args = shlex.split(line)
+        args = shlex.split(line, comments=True)  # a `# comment` may end the line
     except ValueError as e:
         raise UsageError(f"%%mesh: {e}\n{_USAGE}") from None
-    opts: dict[str, Any] = {"sizes": {}, "name": None, "on": {}, "noblock": False, "group": "rank", "save": None}
+    opts: dict[str, Any] = {
+        "sizes": {}, "name": None, "on": {}, "noblock": False, "group": "rank", "save": None, "replace": False,
+    }  # fmt: skip
     i = 0
     while i < len(args):
         a = args[i]
@@ -242,6 +286,8 @@ def _parse_cell_args(line: str) -> dict:
             opts["noblock"] = True
         elif a == "--block":
             opts["noblock"] = False
+        elif a == "--replace":
+            opts["replace"] = True
         elif a.startswith("-"):
             raise UsageError(f"%%mesh: unknown option {a!r}\n{_USAGE}")
         elif m := _DIM.match(a):
@@ -289,10 +335,18 @@ def load(ip) -> None:
     def setup(controller) -> None:
         magics.stdin = NotebookStdin(controller, magics.widgets)
         controller.stdin.prompt = magics.stdin
+        if magics.widgets:
+            controller.spawn_progress = NotebookProgress
 
     ctl.on_create.append(setup)
     if ctl.current() is not None:
         setup(ctl.current())
+
+    def cell_done(result=None) -> None:  # a live function's call ends with its cell: its prompts are over
+        if magics.stdin is not None:
+            magics.stdin.cell_done()
+
+    ip.events.register("post_run_cell", cell_done)
 
 
 def unload(ip) -> None:

@@ -6,26 +6,28 @@ from typing import Any
 
 
 def show(t: Any, **coords: int) -> None:
-    """Display `t`'s value on the worker at `coords` (default: the first)."""
-    from monarch.runtime.tensor.values import inspect
+    """Display `t`'s value on the worker at `coords` (default: the first); in a notebook, a TensorView whose
+    rank selector lists every rank of the tensor's mesh (all values are fetched, in one round trip)."""
+    from monarch.runtime.tensor.values import inspect, inspect_all
 
-    value = inspect(t, **coords)
     try:
         from IPython import get_ipython
     except ImportError:
-        print(value)
+        print(inspect(t, **coords))
         return
     ip = get_ipython()
     if ip is None or getattr(ip, "kernel", None) is None:
-        print(value)
+        print(inspect(t, **coords))
         return
     from IPython.display import display
 
-    from monarch.runtime.remote import ValueMesh
-    from monarch.runtime.shape import Shape
     from monarch.widgets.value_mesh import TensorView
 
-    where = ",".join(f"{k}={v}" for k, v in coords.items()) or "the first rank"
-    view = TensorView(ValueMesh(Shape.from_sizes({"rank": 1}), [value]), title=f"value at {where}")
-    view.labels = [where]
-    display(view)
+    values = inspect_all(t)
+    points = list(values.items())
+    at = next((i for i, (c, _) in enumerate(points) if all(c.get(k) == v for k, v in coords.items())), None)
+    if at is None:
+        where = ", ".join(f"{k}={v}" for k, v in coords.items())
+        raise ValueError(f"show: no worker at {where}; the tensor is on mesh {values.describe()}")
+    where = values.label(points[at][0]) or "the only rank"
+    display(TensorView(values, title=f"tensor on {values.describe()}, showing {where}", selected=at))

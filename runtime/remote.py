@@ -96,6 +96,12 @@ class Future(Generic[T]):
             self._value = self._decode(replies)
         return self._value
 
+    def interrupt(self) -> None:
+        """Raise KeyboardInterrupt on the workers still running this call, and return at once (what Ctrl-C
+        does to a call being waited for; for calls nobody waits for, such as `%%mesh --noblock` runs)."""
+        if not self.done():
+            self._pending.mesh.controller.interrupt(self._pending)
+
     def _interrupt(self) -> RemoteInterrupt:
         """Interrupt the busy workers and collect, for a moment, where each one was."""
         pending = self._pending

@@ -83,7 +83,9 @@ def test_rich_display_labelled_by_rank(kernel: Kernel):
     )
     assert r.status == "ok", r.text()
     html = r.final_outputs()[0]["text/html"]
-    areas = dict(re.findall(r'<div class="monarch-rank" data-label="(gpu=\d)">(.*?)</div></div>', html))
+    areas = dict(
+        re.findall(r'<div class="monarch-rank" data-label="(gpu=\d)">(.*?)(?=<div class="monarch-rank" |$)', html)
+    )
     assert sorted(areas) == ["gpu=0", "gpu=1"]
     for g in range(2):
         assert areas[f"gpu={g}"].count('<img src="data:image/png;base64,') == 1
@@ -174,12 +176,12 @@ def test_pdb_without_stdin_is_an_error_not_a_hang(kernel: Kernel):
     assert kernel.run("%%mesh\nrank").status == "ok"
 
 
-def test_new_shape_replaces_the_implicit_mesh():
+def test_replace_starts_a_new_shape_and_restart_stops_it():
     with monarch_kernel() as k:
         assert k.run("%%mesh gpu=2\nrank").status == "ok"
         old = k.worker_pids()
-        r = k.run("%%mesh gpu=3\nrank")
-        assert r.status == "ok" and "stopping mesh {gpu: 2} to start {gpu: 3}" in r.text()
+        r = k.run("%%mesh gpu=3 --replace\nrank")
+        assert r.status == "ok" and "stopped mesh {gpu: 2} (2 workers) to start {gpu: 3}" in r.text()
         assert wait_gone(old, 5) == []
         new = k.worker_pids()
         assert len(new) == 3
@@ -255,7 +257,11 @@ def test_tensor_engine_show_uses_the_tensor_view(kernel: Kernel):
     assert r.status == "ok", r.text()
     (shown,) = [m["content"]["data"] for m in r.of("display_data")]
     assert "application/vnd.jupyter.widget-view+json" in shown
-    assert "value at gpu=1" in shown["text/plain"] and "tensor([3., 3.])" in shown["text/plain"]
+    text = shown["text/plain"]  # the rank selector lists every rank; the one asked for is selected
+    assert text.startswith("tensor on {gpu: 4}, showing gpu=1") and text.count("tensor([3., 3.])") == 4
+    assert all(f"[gpu={g}]" in text for g in range(4))
+    (state,) = [m["content"]["data"]["state"] for m in r.of("comm_open") if "labels" in m["content"]["data"]["state"]]
+    assert state["labels"] == [f"gpu={g}" for g in range(4)] and state["selected"] == 1
 
 
 def test_mesh_variable_and_saved_handle(kernel: Kernel):

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from monarch.runtime.remote import RemoteFunction
+from monarch.runtime.remote import RemoteFunction, ValueMesh
 from monarch.runtime.tensor.checks import check_alive
 from monarch.runtime.tensor.engine import flush
 from monarch.runtime.tensor.handles import Tensor
@@ -21,8 +21,20 @@ def _rank_for(t: Tensor, coords: dict[str, int]) -> Any:
 
 def fetch_shard(t: Tensor, **coords: int):
     """A future for the value of `t` on the worker at `coords` (default: the first)."""
+    return Shard(_fetch(t, "fetch_shard", lambda view: _rank_for(t, coords)))
+
+
+def inspect_all(t: Tensor) -> ValueMesh:
+    """The value of `t` on every worker of its mesh, as local tensors, in one round trip (for views that
+    let the user pick a rank)."""
+    call = _fetch(t, "inspect_all", lambda view: view)
+    with torch.utils._python_dispatch._disable_current_modes():
+        return call.result()
+
+
+def _fetch(t: Tensor, what: str, target_of):
     if not isinstance(t, Tensor):
-        raise TypeError(f"fetch_shard: needs a monarch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{what}: needs a monarch.Tensor, got {type(t).__name__}")
     if t._mesh._spawned.state != "running":
         check_alive("inspect", t._mesh._spawned)
     b = (t._root if t._root is not None else t)._borrow
@@ -32,10 +44,10 @@ def fetch_shard(t: Tensor, **coords: int):
             f"{b.dropped_at}); inspect the original tensor instead"
         )
     flush(t._mesh)
-    target = _rank_for(t, coords)
+    target = target_of(t._mesh)
     with torch.utils._python_dispatch._disable_current_modes():
         fetch = RemoteFunction.by_name("monarch.runtime.worker.engine.table", "fetch", target)
-        return Shard(fetch.start((t._ref,), {}, name="fetching a tensor"))
+        return fetch.start((t._ref,), {}, name="fetching a tensor")
 
 
 class Shard:
