@@ -6,7 +6,9 @@
 - a worker killed with kill -9 during a call: until the call raises;
 - Ctrl-C during a live function on 8 workers: until KeyboardInterrupt is raised;
 - a worker stopped with SIGSTOP during a call: until the call raises (before the redesign: never);
-- the CPU the waiting thread uses while a call runs 2 s.
+- the CPU the waiting thread uses while a call runs 2 s;
+- one of 4 ranks raises just before an all_reduce the others enter: until the call raises (before issue
+  11: the group timeout, 600 s), side by side with torchrun (gloo), from the raise until torchrun exits.
 
 Each side runs in fresh processes. With `--before DIR` (a directory holding an installed earlier
 monarch, see `run.py --before`), that code is measured in the same run; ratios are before / now.
@@ -114,12 +116,68 @@ IN_PROCESS = textwrap.dedent(
     except ProcessLookupError:
         pass
     mesh.exit()
+
+    @monarch.remote
+    def one_fails():
+        import torch, torch.distributed as dist
+        if dist.get_rank() == 1:
+            raise ValueError("rank 1 fails before the all_reduce")
+        t = torch.ones(1)
+        dist.all_reduce(t)
+
+    mesh = this_host().spawn_procs({"gpu": 4})
+    f = one_fails.on(mesh)
+    ended = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        try:
+            f.call_async().result(timeout=ONE_RANK_LIMIT)
+        except monarch.RemoteError:
+            ended.append(time.perf_counter() - t0)
+        except Exception:  # still waiting: never released
+            ended.append(float("inf"))
+            break
+    out["one_rank_fails"] = statistics.median(ended)
+    mesh.exit()
     print(json.dumps(out), flush=True)
     """
 )
 
+TORCHRUN = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        with open(sys.argv[1], "w") as f:
+            f.write(repr(time.time()))
+        raise ValueError("rank 1 fails before the all_reduce")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    """
+)
+
+
+def torchrun_one_rank_fails() -> float:
+    """Seconds from rank 1's raise until `torchrun --nproc-per-node 4` exits, reporting it (median)."""
+    times = []
+    with tempfile.TemporaryDirectory() as tmp:
+        script, stamp = os.path.join(tmp, "fail.py"), os.path.join(tmp, "raised")
+        with open(script, "w") as f:
+            f.write(TORCHRUN)
+        for _ in range(REPEATS):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", script, stamp]
+            subprocess.run(cmd, capture_output=True, timeout=300, cwd=tmp, env=dict(os.environ, OMP_NUM_THREADS="1"))
+            end = time.time()
+            with open(stamp) as f:
+                times.append(end - float(f.read()))
+    return statistics.median(times)
+
+
 FROZEN_LIMIT = 20.0
 """Seconds a SIGSTOPped worker's call is waited for before it counts as never noticed."""
+ONE_RANK_LIMIT = 60.0
+"""Seconds a call with one failed rank is waited for before it counts as never released."""
 
 
 def _env(before: str | None) -> dict:
@@ -160,7 +218,7 @@ def controller_death(before: str | None) -> float:
 
 
 def in_process(before: str | None) -> dict:
-    src = f"REPEATS = {REPEATS}\nFROZEN_LIMIT = {FROZEN_LIMIT}\n" + IN_PROCESS
+    src = f"REPEATS = {REPEATS}\nFROZEN_LIMIT = {FROZEN_LIMIT}\nONE_RANK_LIMIT = {ONE_RANK_LIMIT}\n" + IN_PROCESS
     r = subprocess.run(
         [sys.executable, "-c", src], capture_output=True, text=True, timeout=600, env=_env(before),
         cwd=tempfile.gettempdir(),
@@ -178,12 +236,13 @@ def measure(before: str | None = None) -> dict:
         res = in_process(site)
         res["controller_death"] = controller_death(site)
         results[name] = res
+    results["torchrun"] = {"one_rank_fails": torchrun_one_rank_fails()}
     return results
 
 
 def report(results: dict) -> None:
     for res in results.values():
-        if res.get("frozen") is None:
+        if "frozen" in res and res["frozen"] is None:
             res["frozen"] = float("inf")  # never noticed: shown as inf
     rows = [
         ("controller SIGKILLed, 8 workers busy in C: until every worker is gone (median)", "controller_death", "s", 1),
@@ -192,6 +251,8 @@ def report(results: dict) -> None:
         (f"worker stopped (SIGSTOP) during a call: until the call raises (inf: not within {FROZEN_LIMIT:.0f} s)",
          "frozen", "s", 1),
         ("CPU used by the thread waiting 2 s for a call", "wait_cpu", "ms", 1e3),
+        ("one of 4 ranks raises before an all_reduce: until the call raises (torchrun: until it exits)",
+         "one_rank_fails", "s", 1),
     ]  # fmt: skip
     print_rows(results, rows)
 

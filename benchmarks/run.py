@@ -173,7 +173,7 @@ def print_rows(results: dict, rows: list[tuple[str, str, str, float]]) -> None:
     for title, key, unit, scale in rows:
         parts = [f"monarch {ours[key] * scale:.3g} {unit}"]
         for peer, res in results.items():
-            if peer != "monarch" and res:
+            if peer != "monarch" and res and key in res:
                 parts.append(f"{peer} {res[key] * scale:.3g} {unit} (ratio {res[key] / ours[key]:.1f}x)")
         print(f"{title}: " + " | ".join(parts))
 
