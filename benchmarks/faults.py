@@ -225,7 +225,7 @@ def in_process(before: str | None) -> dict:
     )  # fmt: skip
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
-        raise RuntimeError(f"faults benchmark failed: {r.stderr.strip().splitlines()[-3:]}")
+        raise RuntimeError("faults benchmark failed:\n" + "\n".join(r.stderr.strip().splitlines()[-25:]))
     return json.loads(lines[-1])
 
 

@@ -137,6 +137,18 @@ def install_before(rev: str) -> str:
     return site
 
 
+def install_now() -> str:
+    """Install the working tree as it is into a directory of its own, the way `install_before` installs the
+    earlier revision, and put it first on PYTHONPATH for every measurement of "monarch" (an editable install
+    costs each worker's first imports some ms: the two sides must be installed alike to be compared)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    site = tempfile.mkdtemp(prefix="bench-now-")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", site, repo], check=True)
+    os.environ["PYTHONPATH"] = site + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+    print(f"monarch: the working tree, installed in {site}")
+    return site
+
+
 def measure(python: str, code: str, env: dict | None = None) -> dict | None:
     src = f"N = {N}\nROUND_TRIPS = {ROUND_TRIPS}\n" + code
     # run outside the checkout, so that `import monarch` means the installed package of that Python
@@ -188,6 +200,8 @@ def main() -> None:
     ensure_ipyparallel()
     print(f"machine: {machine()}")
     before = install_before(sys.argv[sys.argv.index("--before") + 1]) if "--before" in sys.argv else None
+    if before:
+        install_now()
     results = {"monarch": measure(sys.executable, MONARCH)}
     if before:
         results["monarch before"] = measure(sys.executable, MONARCH, before_env(before))

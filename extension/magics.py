@@ -206,20 +206,11 @@ class MeshMagics(Magics):
 
 def _refuse_if_busy(view: Any) -> None:
     """Ranks still running an earlier call would make this cell wait for them, silently: say so instead."""
-    busy = view.busy(ask=0.3)
-    if not busy:
-        return
-    from monarch.runtime.errors import MeshBusyError
-
-    ranks = sorted({r for b in busy for r in b.ranks})
-    who = f"rank {ranks[0]} is" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} are"
-    lines = [f"%%mesh: this cell was not started: {who} still running an earlier call on mesh {view.describe()}:"]
-    lines += ["  " + line for b in busy for line in b.describe().splitlines()]
-    lines.append(
-        "Wait for them (a --noblock cell's handle: .result()), interrupt them (Kernel > Interrupt), or start "
-        "a new mesh with %mesh restart (the workers' namespaces are lost)."
+    view.refuse_if_busy(
+        "%%mesh: this cell",
+        "Wait for them (a --noblock cell's handle: .result()), interrupt them (Kernel > Interrupt; a --noblock "
+        "cell's handle: .interrupt()), or start a new mesh with %mesh restart (the workers' namespaces are lost).",
     )
-    raise MeshBusyError("\n".join(lines))
 
 
 def _describe(sizes: dict[str, int]) -> str:

@@ -13,6 +13,7 @@ __all__ = [
     "remote",
     "RemoteError",
     "WorkerDiedError",
+    "MeshBusyError",
     "ValueMesh",
     "Future",
     "ProcMesh",
@@ -33,6 +34,7 @@ _EXPORTS = {
     "Future": "monarch.runtime.remote",
     "RemoteError": "monarch.runtime.errors",
     "WorkerDiedError": "monarch.runtime.errors",
+    "MeshBusyError": "monarch.runtime.errors",
     "ProcMesh": "monarch.runtime.mesh",
     "current_rank": "monarch.runtime.context",
     "current_size": "monarch.runtime.context",
@@ -47,7 +49,7 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from monarch.runtime.context import current_rank, current_size
-    from monarch.runtime.errors import RemoteError, WorkerDiedError
+    from monarch.runtime.errors import MeshBusyError, RemoteError, WorkerDiedError
     from monarch.runtime.mesh import ProcMesh
     from monarch.runtime.remote import Future, ValueMesh, remote
 

@@ -49,8 +49,8 @@ class Release:
     """The torch.distributed function, e.g. ``"all_reduce"``."""
     where: str
     """The user's line that called it."""
-    user_groups: int
-    """Process groups user code made on that rank, torn down with it."""
+    user_groups: list[str]
+    """Process groups user code made on that rank, torn down with it (by the names they have there)."""
 
 
 class RemoteError(Exception):
@@ -87,12 +87,12 @@ class RemoteError(Exception):
                 f"\n\n{who} {was} released from {collective} at {where}: it waited for the failed rank"
                 f"{'s' if n > 1 else ''}. The mesh's process groups are made again before its next call."
             )
-        user = max((r.user_groups for r in self.released), default=0)
+        user = list(dict.fromkeys(g for r in self.released for g in r.user_groups))
         if user:
             text += (
-                f"\n{user} process group{'s' if user > 1 else ''} made in your code (dist.new_group, "
-                "init_device_mesh, ...) could not be kept: run the code that makes "
-                f"{'them' if user > 1 else 'it'} again."
+                f"\nProcess groups made in your code (dist.new_group, init_device_mesh, ...) were torn down with it: "
+                f"{', '.join(user)}. Make {'them' if len(user) > 1 else 'it'} again (run the code that made "
+                f"{'them' if len(user) > 1 else 'it'})."
             )
         return text
 
@@ -117,9 +117,9 @@ class RemoteInterrupt(KeyboardInterrupt):
         head = f"{what} interrupted"
         stuck = [r for r in busy if r not in self.queued]
         if stuck:
-            head += f"; ranks {format_ranks(stuck)} did not stop within the grace period and may still be busy"
+            head += f"; {_ranks(stuck)} did not stop within the grace period and may still be busy"
         if self.queued:
-            head += f"; ranks {format_ranks(self.queued)} are busy with an earlier call and will skip this one"
+            head += f"; {_ranks(self.queued)} {'is' if len(self.queued) == 1 else 'are'} busy with an earlier call and will skip this one"
         super().__init__(_describe(head, failures))
 
     def _render_traceback_(self) -> list[str]:
@@ -135,6 +135,10 @@ class MeshBusyError(RuntimeError):
 
     def _render_traceback_(self) -> list[str]:
         return _render(type(self).__name__, str(self))
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
 
 
 def _describe(head: str, failures: list[Failure]) -> str:

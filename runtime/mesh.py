@@ -192,7 +192,26 @@ class ProcMesh:
                 out.append("stopped")
         return out
 
-    def busy(self, ask: float = 0.0) -> list[BusyCall]:
+    def refuse_if_busy(self, what: str, remedy: str, interrupted_only: bool = False) -> None:
+        """Raise `MeshBusyError` naming who runs what, where and for how long, if ranks of this view still run
+        an earlier call (with `interrupted_only`, one whose caller was interrupted and gave up on it): a new
+        call would wait behind it, silently. `remedy` ends the message."""
+        sp = self._spawned
+        if interrupted_only and not sp.abandoned:
+            return
+        busy = self.busy(ask=0.3, interrupted_only=interrupted_only)
+        if not busy:
+            return
+        from monarch.runtime.errors import MeshBusyError
+
+        ranks = sorted({r for b in busy for r in b.ranks})
+        who = f"rank {ranks[0]} is" if len(ranks) == 1 else f"ranks {format_ranks(ranks)} are"
+        lines = [f"{what} was not started: {who} still running an earlier call on mesh {self.describe()}:"]
+        lines += ["  " + line for b in busy for line in b.describe().splitlines()]
+        lines.append(remedy)
+        raise MeshBusyError("\n".join(lines))
+
+    def busy(self, ask: float = 0.0, interrupted_only: bool = False) -> list[BusyCall]:
         """The calls still running on this view's workers, with which ranks run them and for how long.
 
         With `ask` > 0 the busy workers are asked where they are (their control thread answers even while
@@ -205,6 +224,8 @@ class ProcMesh:
         else:
             calls = [p for p in list(controller.calls.values()) if p.mesh is sp]
             running = [(p, [r for r in p.ranks if r not in p.replies]) for p in calls]
+        if interrupted_only:
+            running = [(p, ranks) for p, ranks in running if p.call_id in sp.abandoned]
         now = time.monotonic()
         out = []
         for p, ranks in running:

@@ -178,8 +178,9 @@ class Released:
     """The torch.distributed function it waited in, e.g. ``"all_reduce"``."""
     where: str
     """The user's line that called it, e.g. ``"Cell In[5], line 4"``."""
-    user_groups: int
-    """Process groups made by user code (dist.new_group, init_device_mesh) that were torn down with it."""
+    user_groups: list
+    """Process groups made by user code (dist.new_group, init_device_mesh) that were torn down with it, as
+    the user knows them: ``"pair (ranks 0-1)"``, ``"mesh_2d (a DeviceMesh)"``, ``"a group of ranks 0-3"``."""
 
 
 @message

@@ -121,6 +121,8 @@ class Future(Generic[T]):
                     pass
         busy = sorted(set(self._shape.ranks) - set(pending.replies))
         queued = sorted(set(busy) & controller.busy_with_earlier_calls(pending))
+        if busy and not pending.future.done():
+            pending.mesh.abandoned.add(pending.call_id)  # the next call on these ranks says so, not waits
         return RemoteInterrupt(self._name, group_failures(raw), busy, len(self._shape), queued)
 
     get = result
@@ -218,6 +220,12 @@ class RemoteFunction:
             )
         spawned, shape = mesh._spawned, mesh._shape
         spawned.check_usable()
+        if spawned.abandoned:  # an interrupted call still runs somewhere: a new one would wait behind it
+            mesh.refuse_if_busy(
+                name or self.__name__,
+                "Wait for it to end, or start a new mesh with mesh.respawn() (the workers' state is lost).",
+                interrupted_only=True,
+            )
         controller = spawned.controller
         fn = self._fn
         blob = fnblob.function_blob(fn, lambda: _by_reference(fn), lambda obj: _pickle(obj, "function", fn))

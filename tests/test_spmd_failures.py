@@ -59,11 +59,21 @@ def test_a_cell_where_one_rank_raises_before_a_collective_ends_and_the_next_runs
 
 
 def test_groups_made_in_cells_are_named_as_torn_down(kernel: Kernel):
-    assert kernel.run("%%mesh\npair = dist.new_group([0, 1])").status == "ok"
+    made = (
+        "%%mesh\nfrom torch.distributed.device_mesh import init_device_mesh\n"
+        "pair = dist.new_group([0, 1])\ngrid = init_device_mesh('cpu', (2, 2), mesh_dim_names=('dp', 'tp'))"
+    )
+    assert kernel.run(made).status == "ok"
     r = kernel.run(FAILING_CELL, timeout=30)
     assert r.status == "error"
-    assert "1 process group made in your code (dist.new_group, init_device_mesh, ...) could not be kept" in r.text()
-    assert kernel.run("%%mesh\npair = dist.new_group([0, 1])\ndist.barrier(pair) if rank < 2 else None").status == "ok"
+    text = r.text()
+    assert "Process groups made in your code (dist.new_group, init_device_mesh, ...) were torn down with it: " in text
+    assert "pair (ranks 0-1)" in text and "grid (a DeviceMesh)" in text, text
+    assert "Make them again (run the code that made them)." in text
+    r = kernel.run(
+        made + "\ndist.barrier(pair) if rank < 2 else None\ndist.all_reduce(torch.ones(1), group=grid.get_group('tp'))"
+    )
+    assert r.status == "ok", r.text()
 
 
 def test_a_rank_still_busy_is_named_before_the_next_cell_instead_of_waiting_for_it(kernel: Kernel):
@@ -157,6 +167,49 @@ def test_ranks_that_compute_are_left_alone():
             uneven.on(mesh).call_async().result(timeout=30)
         assert e.value.ranks == [0] and [r.rank for r in e.value.released] == [2]
         assert "rank 2 was released from barrier" in str(e.value)
+    finally:
+        mesh.exit()
+    assert wait_gone(pids) == []
+
+
+@monarch.remote
+def whoami():
+    return dist.get_rank()
+
+
+@monarch.remote
+def stubborn(seconds):
+    import time
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            time.sleep(0.05)
+        except KeyboardInterrupt:
+            if dist.get_rank() != 1:
+                raise
+
+
+def test_a_live_function_behind_an_interrupted_call_that_still_runs_says_so_at_once():
+    """Ctrl-C on a call whose rank 1 ignores it: the next call does not wait silently behind it."""
+    import os
+    import signal
+    import threading
+
+    mesh = this_host().spawn_procs({"gpu": 2})
+    pids = worker_pids(mesh)
+    try:
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt) as e:
+            stubborn.on(mesh)(60)
+        assert "stubborn interrupted; rank 1 did not stop within the grace period" in str(e.value), str(e.value)
+        with pytest.raises(monarch.MeshBusyError) as busy:
+            plain_sum.on(mesh)(1.0)
+        text = str(busy.value)
+        assert "plain_sum was not started: rank 1 is still running an earlier call on mesh {gpu: 2}" in text, text
+        assert "rank 1 (gpu=1) has run stubborn for" in text and "test_spmd_failures.py" in text
+        assert "mesh.respawn()" in text
+        assert list(whoami.on(mesh.slice(gpu=0))()) == [0]  # rank 0 is free: calls on it run
     finally:
         mesh.exit()
     assert wait_gone(pids) == []

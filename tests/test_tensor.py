@@ -119,7 +119,7 @@ def test_model_forward_and_backward_on_a_2x2_mesh(mesh):
 def test_failed_op_poisons_only_dependents(mesh):
     with mesh.activate():
         ok = torch.ones(3, 4) * 2
-        big = torch.rand(4, 1024 * 1024 * 1024 * 1024 * 8)  # far too big: fails on every worker
+        big = torch.rand(4, 2**55)  # 512 PiB: more than any address space, so malloc fails (no OOM kill)
         bad = ok @ big
         worse = bad + 1
         also_ok = ok + 1
@@ -272,7 +272,7 @@ def test_to_mesh_between_spawned_meshes(mesh):
     try:
         with mesh.activate():
             x = torch.rand(3, 4) + torch.arange(3.0).reshape(3, 1)
-            bad = torch.rand(2, 1024**4 * 8)  # fails on the workers
+            bad = torch.rand(2, 2**55)  # fails on the workers (more than any address space)
         moved = x.to_mesh(other)
         assert moved.mesh is other
         with other.activate():

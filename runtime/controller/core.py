@@ -197,6 +197,7 @@ class Controller:
 
     def _fail(self, pending: PendingCall, error: BaseException) -> None:
         self.calls.pop(pending.call_id, None)
+        pending.mesh.abandoned.discard(pending.call_id)
         try:
             pending.future.set_exception(error)
         except concurrent.futures.InvalidStateError:

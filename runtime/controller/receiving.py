@@ -203,6 +203,7 @@ class Receiver:
         pending.replies[env.rank] = env
         if len(pending.replies) == len(pending.ranks):
             c.calls.pop(msg.call_id, None)
+            pending.mesh.abandoned.discard(msg.call_id)
             c.call_done(pending)
             if not pending.future.done():
                 pending.future.set_result(pending.replies)

@@ -37,6 +37,8 @@ class SpawnedMesh:
     """The tensor engine's controller half, once `activate()` was used."""
     exit_codes: dict[int, int | None] = field(default_factory=dict)
     """Once stopped: each worker's exit status (0 when it exited as asked)."""
+    abandoned: set[int] = field(default_factory=set)
+    """Calls whose caller was interrupted and gave up on them while some ranks still ran them."""
     generation: int = 0
     """How many times its process groups were re-formed (after ranks were released from a collective)."""
 

@@ -76,7 +76,7 @@ class Control:
 
         self.worker.released = (collective, where)
         # said before it is done: the call's reply (its collective raises at once) must come after this
-        self.worker.send(protocol.Released(call_id, collective, where, len(groups.current.users())))
+        self.worker.send(protocol.Released(call_id, collective, where, name_groups(groups.current.users())))
         groups.current.release()
 
     def claim_release(self, call_id: int, error: BaseException, wait: float = 0.2) -> bool:
@@ -97,6 +97,33 @@ class Control:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.005)
+
+
+def name_groups(made: list[Any]) -> list[str]:
+    """Groups user code made, as the user knows them: the names they have in the `%%mesh` cells' namespace
+    (a group, or a DeviceMesh holding it), else their ranks."""
+    import torch.distributed as dist
+
+    from monarch.runtime.shape import format_ranks
+    from monarch.runtime.worker import cells
+
+    holders: dict[int, str] = {}
+    for name, value in list((cells._namespace or {}).items()):
+        if isinstance(value, dist.ProcessGroup):
+            holders.setdefault(id(value), f"{name} (ranks {format_ranks(dist.get_process_group_ranks(value))})")
+        elif type(value).__name__ == "DeviceMesh":
+            try:
+                mesh_groups = value.get_all_groups()
+            except Exception:
+                continue
+            for g in mesh_groups:
+                holders.setdefault(id(g), f"{name} (a DeviceMesh)")
+    out: list[str] = []
+    for g in made:
+        text = holders.get(id(g)) or f"a group of ranks {format_ranks(dist.get_process_group_ranks(g))}"
+        if text not in out:
+            out.append(text)
+    return out
 
 
 def describe(frame: FrameType | None) -> tuple[str, str]:
