@@ -36,6 +36,8 @@ class CallView:
 
 worker: WorkerInfo | None = None
 view = CallView()
+cell_namespace: dict[str, Any] | None = None
+"""The `%%mesh` cells' namespace on this worker, once a cell ran (errors name the user's objects by it)."""
 
 
 def _need_worker() -> WorkerInfo:

@@ -42,6 +42,7 @@ def namespace() -> dict[str, Any]:
     global _namespace
     if _namespace is None:
         _namespace = {"__name__": "__main__", "__builtins__": builtins, "display": display}
+        context.cell_namespace = _namespace
         if "matplotlib" not in sys.modules:
             os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
         _route_ipython_display()
@@ -86,7 +87,7 @@ def push(values: dict[str, Any]) -> None:
 def reset() -> None:
     """Forget every name defined by cells."""
     global _namespace
-    _namespace = None
+    _namespace = context.cell_namespace = None
 
 
 def _compile(source: str, filename: str) -> tuple[Any, Any]:

@@ -104,11 +104,11 @@ def name_groups(made: list[Any]) -> list[str]:
     (a group, or a DeviceMesh holding it), else their ranks."""
     import torch.distributed as dist
 
+    from monarch.runtime import context
     from monarch.runtime.shape import format_ranks
-    from monarch.runtime.worker import cells
 
     holders: dict[int, str] = {}
-    for name, value in list((cells._namespace or {}).items()):
+    for name, value in list((context.cell_namespace or {}).items()):
         if isinstance(value, dist.ProcessGroup):
             holders.setdefault(id(value), f"{name} (ranks {format_ranks(dist.get_process_group_ranks(value))})")
         elif type(value).__name__ == "DeviceMesh":
