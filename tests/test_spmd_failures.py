@@ -60,7 +60,7 @@ def test_a_cell_where_one_rank_raises_before_a_collective_ends_and_the_next_runs
 
 def test_groups_made_in_cells_are_named_as_torn_down(kernel: Kernel):
     made = (
-        "%%mesh\nfrom torch.distributed.device_mesh import init_device_mesh\n"
+        "%%mesh\nimport torch, torch.distributed as dist\nfrom torch.distributed.device_mesh import init_device_mesh\n"
         "pair = dist.new_group([0, 1])\ngrid = init_device_mesh('cpu', (2, 2), mesh_dim_names=('dp', 'tp'))"
     )
     assert kernel.run(made).status == "ok"
