@@ -59,6 +59,9 @@ IN_PROCESS = textwrap.dedent(
     from monarch.actor import this_host
     import monarch
 
+    # Ctrl-C as a user's: a shell starts background jobs with SIGINT ignored, and Python keeps that
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     @monarch.remote
     def nap(seconds):
         import time
