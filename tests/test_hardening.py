@@ -322,7 +322,7 @@ def test_a_frozen_worker_is_reported_by_rank_and_its_mesh_stopped():
 def test_the_next_start_removes_what_a_killed_controller_left(tmp_path):
     """A controller killed with SIGKILL cleans nothing: its socket directory and fork server's directory
     stay. The next controller to start removes them (they name a process that is gone)."""
-    from monarch.runtime.backends.local import clean_stale_dirs, private_dir
+    from monarch.runtime.backends.procs import clean_stale_dirs, private_dir
 
     root = tempfile.gettempdir()
     child = os.fork()
