@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -164,14 +165,33 @@ class ProcMesh:
             _active.reset(token)
             capture.flush(self)
 
+    def sync_workspace(self) -> dict[str, list[str]]:
+        """For a mesh on a job reserved with a workspace: copy the workspace to the hosts again (only
+        changed files travel) and reload, on this view's workers, the modules whose files changed."""
+        from monarch.runtime import jobs  # a public shortcut into the layer above (marked)
+
+        return jobs.sync_workspace(self)
+
     def exit(self) -> None:
         """Stop the workers (of the whole spawned mesh, which all views share). Idempotent."""
         self._spawned.controller.stop(self._spawned)
 
     def respawn(self) -> ProcMesh:
-        """A new mesh with the shape this mesh was spawned with (after a failure, say)."""
+        """A new mesh with the shape this mesh was spawned with, where it was (this machine, or the same
+        job's hosts): after a failure, say."""
+        from monarch.runtime.controller import get_controller
+
         self.exit()
-        return this_host().spawn_procs(self._spawned.shape.size_dict)
+        sp = self._spawned
+        controller = get_controller()
+        backend = sp.backend if sp.backend in controller.jobs.values() else None
+        if backend is None and sp.backend is not sp.controller.backend:
+            raise RuntimeError(
+                f"mesh {sp.shape.describe()} ran on a job this controller has detached from; start a new one "
+                "with monarch.notebook.job(NAME).spawn_procs(...)"
+            )
+        spawned = controller.spawn(sp.shape.size_dict, backend)
+        return ProcMesh(spawned, spawned.shape)
 
     @property
     def spawned_sizes(self) -> dict[str, int]:
@@ -255,7 +275,7 @@ class ProcMesh:
                     "pid": info.get("pid", "?"),
                     "device": info.get("device", "?"),
                     "status": st,
-                    "memory": _rss(info.get("pid")) if st in ("idle", "busy") else "",
+                    "memory": _rss(info.get("pid")) if st in ("idle", "busy") and info.get("host") == _HOST else "",
                     "running": b.doing(rank) if b is not None else "",
                     "for": since,
                 }
@@ -326,6 +346,10 @@ class MeshTable:
         return "\n".join([f"ProcMesh {self.title}", line(cols), line(["-" * w for w in widths]), *map(line, cells)])
 
     __repr__ = __str__
+
+
+_HOST = socket.gethostname()
+"""This machine's name: the memory column reads /proc, which knows only this machine's workers."""
 
 
 def _rss(pid: int | None) -> str:

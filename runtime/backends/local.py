@@ -86,7 +86,7 @@ class LocalBackend(Backend):
         mesh = _Mesh(shape, labels)
         self.meshes[mesh_id] = mesh
         path = self.procs.add(mesh_id, n, n)
-        self.expect_startup(mesh_id, lambda env: _take_startup(mesh, env))
+        self.expect_startup(mesh_id, lambda env: take_startup(mesh, env))
         env = dict(os.environ)
         threads = int(env.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // n))
         ok = False
@@ -165,7 +165,8 @@ class LocalBackend(Backend):
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _take_startup(mesh: _Mesh, env: Any) -> None:
+def take_startup(mesh: Any, env: Any) -> None:
+    """Note a start-up message in `mesh` (`ready`, `start_error`)."""
     if isinstance(env.message, protocol.Ready):
         mesh.ready[env.rank] = env.message.info
     elif isinstance(env.message, protocol.StartFailed):

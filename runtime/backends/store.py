@@ -24,7 +24,7 @@ from monarch.runtime.backends.transport import DROPPED, ControllerTransport, Sto
 
 @dataclass
 class _Waiter:
-    ident: bytes
+    ident: tuple
     mesh_id: int
     request: int
     keys: tuple

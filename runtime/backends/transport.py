@@ -232,6 +232,49 @@ class _QuietLog:
     exception = warning
 
 
+HEARTBEAT_IVL = 1.0
+"""Seconds between ZeroMQ heartbeats on a link across hosts."""
+HEARTBEAT_TIMEOUT = 3.0
+"""Seconds without a sign of the other end before a link across hosts is taken as lost."""
+
+
+def heartbeat(sock: zmq.Socket) -> None:
+    """ZeroMQ's own heartbeats on `sock`'s next connections: a peer that stops answering (a host whose link
+    went down, with no RST) is disconnected after `HEARTBEAT_TIMEOUT`."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_IVL * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, int(HEARTBEAT_TIMEOUT * 1000))
+
+
+@dataclass(frozen=True)
+class AgentCurve:
+    """A job's CURVE keys: the agents' server key pair (all agents of a job share it) and the one client
+    key pair they admit. Kept in the job's secret file (mode 0600), never on a command line."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+    def client(self, sock: zmq.Socket) -> None:
+        sock.setsockopt(zmq.CURVE_SERVER, 0)
+        sock.curve_serverkey = self.server_public
+        sock.curve_publickey = self.client_public
+        sock.curve_secretkey = self.client_secret
+
+    def serve(self, sock: zmq.Socket) -> None:
+        sock.curve_secretkey = self.server_secret
+        sock.curve_publickey = self.server_public
+        sock.curve_server = True
+        sock.zap_domain = b"monarch-agent"
+
+    @classmethod
+    def new(cls) -> AgentCurve:
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        return cls(server_public, server_secret, client_public, client_secret)
+
+
 def _client(sock: zmq.Socket, keys: WorkerKeys) -> None:
     if keys.server_public is not None:
         sock.curve_serverkey = keys.server_public
@@ -278,7 +321,7 @@ class ControllerTransport:
         self._meshes: dict[int, _Mesh] = {}
         self._topics: dict[bytes, tuple[int, int]] = {}
         """Topic -> (mesh id, rank), rank -1 for a mesh's own topic."""
-        self._store_seen: dict[bytes, tuple[int, int]] = {}
+        self._store_seen: dict[tuple, tuple[int, int]] = {}
         """Store connection -> (its mesh, the sequence number of its last request)."""
         self._rcvtimeo = -1
         self.log = RateLimitedLog("monarch")
@@ -292,6 +335,25 @@ class ControllerTransport:
         if self.curve is not None:
             self.curve.serve(s)
         return s
+
+    # -- host agents ------------------------------------------------------------------------------
+    def connect_agent(self, endpoints: dict[str, str], curve: AgentCurve) -> None:
+        """Connect the command, reply and store sockets to a host agent's (which relays them to its host's
+        workers), as a CURVE client of the job's key pair; ZeroMQ heartbeats watch each connection."""
+        with self.send_lock:
+            for sock, name in ((self.cmd, "cmd"), (self.reply, "reply"), (self.store, "store")):
+                # (options are taken at connect or bind time: the binds made before keep serving CURVE)
+                curve.client(sock)
+                heartbeat(sock)
+                sock.connect(endpoints[name])
+
+    def disconnect_agent(self, endpoints: dict[str, str]) -> None:
+        with self.send_lock:
+            for sock, name in ((self.cmd, "cmd"), (self.reply, "reply"), (self.store, "store")):
+                try:
+                    sock.disconnect(endpoints[name])
+                except zmq.ZMQError:
+                    pass
 
     # -- meshes ------------------------------------------------------------------------------------
     def add_mesh(self, mesh_id: int, n: int) -> list[WorkerKeys]:
@@ -495,13 +557,17 @@ class ControllerTransport:
 
     # -- the store's socket (its thread only) ------------------------------------------------------
     def store_recv(self) -> Any:
-        """The next store request ``(connection, envelope)``; `DROPPED` for one that failed its checks
-        (logged); None when there is none."""
+        """The next store request ``(route, envelope)``; `DROPPED` for one that failed its checks (logged);
+        None when there is none. The route is the connection's identity, or for a worker behind a host agent
+        the agent's connection and the worker's identity there (the agent puts an empty frame after it)."""
         try:
             frames = self.store.recv_multipart(_NOBLOCK, copy=False)
         except zmq.Again:
             return None
-        ident, frames = frames[0].bytes, frames[1:]
+        if len(frames) > 3 and not len(frames[2]):  # through a host agent: [agent, worker, b"", *message]
+            ident, frames = (frames[0].bytes, frames[1].bytes), frames[3:]
+        else:
+            ident, frames = (frames[0].bytes,), frames[1:]
         try:
             if not frames:
                 raise wire.BadSignature("an empty message")
@@ -516,7 +582,7 @@ class ControllerTransport:
             self.log("a store request", f"it failed its checks: {e}")
             return DROPPED
 
-    def store_send(self, ident: bytes, mesh_id: int, message: Any) -> None:
+    def store_send(self, ident: tuple, mesh_id: int, message: Any) -> None:
         mesh = self._meshes.get(mesh_id)
         if mesh is None:
             return
@@ -524,8 +590,9 @@ class ControllerTransport:
             mesh.seq += 1
             seq = mesh.seq
         frames = wire.encode(mesh.key, mesh_id, wire.CONTROLLER, seq, protocol.pack(message))
+        route = list(ident) if len(ident) == 1 else [*ident, b""]
         try:
-            self.store.send_multipart([ident, *frames], _NOBLOCK)
+            self.store.send_multipart([*route, *frames], _NOBLOCK)
         except (zmq.Again, zmq.ZMQError):
             pass  # a client that is gone, or not reading: it times out on its side
 

@@ -52,21 +52,24 @@ class Controller:
         self._spawn_lock = threading.Lock()
         self._closed = False
         self.backend = backends.create(self.settings, self._on_lost)
+        self.jobs: dict[str, Any] = {}
+        """Job name -> the backend of its host agents, once attached."""
         self.receiver = Receiver(self)
         atexit.register(self.shutdown)
 
     # -- meshes ------------------------------------------------------------------------------------
-    def spawn(self, sizes: dict[str, int]) -> SpawnedMesh:
-        """Start one worker per point of `sizes`; return when all are ready."""
+    def spawn(self, sizes: dict[str, int], backend: Any = None) -> SpawnedMesh:
+        """Start one worker per point of `sizes` (on this machine, or with `backend`, on a job's hosts);
+        return when all are ready."""
         shape = Shape.from_sizes(sizes)
         with self._spawn_lock:
             mesh_id = next(self._mesh_ids)
         labels = [shape.label(c) for c, _ in shape.points()]
-        mesh = SpawnedMesh(self, mesh_id, shape, labels)
+        mesh = SpawnedMesh(self, mesh_id, shape, labels, backend=backend or self.backend)
         self.meshes[mesh_id] = mesh
         progress = self.spawn_progress(shape.describe(), len(shape))
         try:
-            mesh.info = self.backend.start(mesh_id, shape, labels, progress.update)
+            mesh.info = mesh.backend.start(mesh_id, shape, labels, progress.update)
         except BaseException as e:
             self.meshes.pop(mesh_id, None)
             progress.finish(e)
@@ -75,6 +78,28 @@ class Controller:
         mesh.state = "running"
         self.changed(mesh)
         return mesh
+
+    def attach(self, job_dir: Any, records: list) -> Any:
+        """The backend of a job's host agents (connected once per job; `records`: its agents)."""
+        backend = self.jobs.get(job_dir.name)
+        if backend is None or any(h.lost for h in backend.hosts):
+            if backend is not None:
+                self.detach(job_dir.name)
+            from monarch.runtime.backends.hosts import HostsBackend
+
+            backend = HostsBackend(self.backend, job_dir, self._on_lost)
+            backend.attach(records)
+            self.jobs[job_dir.name] = backend
+        return backend
+
+    def detach(self, name: str) -> None:
+        """Stop this controller's meshes on job `name` and close its links (the agents stay)."""
+        backend = self.jobs.pop(name, None)
+        if backend is None:
+            return
+        for mesh in [m for m in list(self.meshes.values()) if m.backend is backend]:
+            self.stop(mesh)
+        backend.close()
 
     def add_listener(self, fn: Callable[[SpawnedMesh], None]) -> None:
         """Call `fn(mesh)` (on any thread) whenever a mesh's workers change state."""
@@ -96,7 +121,7 @@ class Controller:
         """Send a `protocol` message to `ranks` of `mesh` (None or every rank: all) without waiting."""
         if ranks is not None and len(ranks) == mesh.size:
             ranks = None
-        self.backend.send(mesh.mesh_id, ranks, message, body)
+        mesh.backend.send(mesh.mesh_id, ranks, message, body)
 
     def call(
         self,
@@ -133,7 +158,7 @@ class Controller:
         """Interrupt `pending` on the workers still busy with it. A worker running another thread's call
         goes on with it and skips `pending` when it comes."""
         busy = tuple(r for r in pending.ranks if r not in pending.replies)
-        self.backend.interrupt(pending.mesh.mesh_id, busy, pending.call_id)
+        pending.mesh.backend.interrupt(pending.mesh.mesh_id, busy, pending.call_id)
 
     def busy_with_earlier_calls(self, pending: PendingCall) -> set[int]:
         """Ranks of `pending`'s mesh that have not yet answered a call issued before it (by another thread)."""
@@ -165,7 +190,7 @@ class Controller:
             self.receiver.show_early_errors(pending)
         busy = tuple(r for r in pending.ranks if r not in pending.replies and r not in pending.released)
         if busy:
-            self.backend.control(pending.mesh.mesh_id, busy, pending.call_id, protocol.RELEASE)
+            pending.mesh.backend.control(pending.mesh.mesh_id, busy, pending.call_id, protocol.RELEASE)
         self._release_later(pending, RELEASE_AGAIN)
 
     def call_done(self, pending: PendingCall) -> None:
@@ -183,7 +208,7 @@ class Controller:
         running = [(p, [r for r in p.ranks if r not in p.replies]) for p in list(self.calls.values()) if p.mesh is mesh]
         running = [(p, ranks) for p, ranks in running if ranks]
         for p, ranks in running:
-            self.backend.control(mesh.mesh_id, tuple(ranks), p.call_id, protocol.REPORT)
+            mesh.backend.control(mesh.mesh_id, tuple(ranks), p.call_id, protocol.REPORT)
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and any(r not in p.busy for p, ranks in running for r in ranks):
             time.sleep(0.01)
@@ -214,7 +239,7 @@ class Controller:
             return  # stopping, or already failed: expected
         mesh.state = "failed"
         mesh.failure = WorkerDiedError(rank, mesh.labels[rank], cause, mesh.shape.describe(), mesh.size)
-        self.backend.kill(mesh_id)
+        mesh.backend.kill(mesh_id)
         self._mark_gone(mesh)
         for pending in list(self.calls.values()):
             if pending.mesh is mesh:
@@ -224,7 +249,7 @@ class Controller:
 
     def _mark_gone(self, mesh: SpawnedMesh) -> None:
         try:
-            self.backend.mark_gone(mesh.mesh_id)
+            mesh.backend.mark_gone(mesh.mesh_id)
         except Exception:  # the store is ours and local: this is not expected, and not fatal
             traceback.print_exc(file=sys.__stderr__)
 
@@ -234,7 +259,7 @@ class Controller:
             return
         was_running = mesh.state == "running"
         mesh.state = "stopping"
-        mesh.exit_codes = self.backend.stop(mesh.mesh_id, graceful=was_running)
+        mesh.exit_codes = mesh.backend.stop(mesh.mesh_id, graceful=was_running)
         for pending in list(self.calls.values()):
             if pending.mesh is mesh:
                 self._fail(pending, RuntimeError(f"mesh {mesh.shape.describe()} was stopped during the call"))
@@ -255,6 +280,8 @@ class Controller:
         if self._closed:
             return
         self.stop_all()
+        for name in list(self.jobs):
+            self.detach(name)
         self._closed = True
         self.receiver.close()
         self.backend.close()

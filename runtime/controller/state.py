@@ -23,6 +23,8 @@ class SpawnedMesh:
     labels: list[str]
     info: list[dict] = field(default_factory=list)
     """Per rank: ``{"pid", "host", "device"}``."""
+    backend: Any = None
+    """What runs its workers: the local backend, or a job's host agents."""
     state: str = "starting"
     """starting, running, failed, stopping or stopped."""
     failure: WorkerDiedError | None = None

@@ -1,0 +1,3 @@
+from monarch.runtime.agent.main import main
+
+main()

@@ -1,0 +1,183 @@
+"""The agent's relays between the controller's connection (TCP, CURVE) and its host's workers (IPC in a
+private directory).
+
+- Commands: the controller sends each one once per host on the command link; the relay puts it on the
+  local command socket, which reaches every worker subscribed to its (secret) topic. Workers' subscriptions
+  and start-up messages go the other way: a subscription to a topic the agent was given is applied here and
+  passed up (so the controller sends this host the mesh's commands), the start-up message after it.
+- Replies, output, input requests: straight up (a ZeroMQ proxy, no Python per message).
+- The store: each request goes up with the worker's identity and an empty frame before it, each answer
+  comes back the same way and goes to that worker.
+
+Messages pass unchanged: they are signed with their mesh's key, which the controller checks; the agent
+neither signs nor needs to read them (a worker's start-up message is read only to learn it is up).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+from typing import Any
+
+import zmq
+
+from monarch.runtime.backends.transport import TOPIC, UPSTREAM, AgentCurve, heartbeat
+
+_NOBLOCK = int(zmq.NOBLOCK)
+
+
+class Relay:
+    """The six sockets and the three threads that move messages between them."""
+
+    def __init__(self, ctx: zmq.Context, bind_addr: str, curve: AgentCurve, directory: str, log: Any) -> None:
+        self.ctx = ctx
+        self.log = log
+        self.topics: set[bytes] = set()
+        """Topics of the meshes this host runs (workers may subscribe to these only)."""
+        self._lock = threading.Lock()
+        # toward the controller: bound on this host's address, CURVE servers admitting the job's client key
+        self.up_cmd = self._socket(zmq.XSUB, curve)
+        self.up_reply = self._socket(zmq.PUSH, curve)
+        self.up_store = self._socket(zmq.DEALER, curve)
+        self.endpoints = {}
+        for sock, name in ((self.up_cmd, "cmd"), (self.up_reply, "reply"), (self.up_store, "store")):
+            sock.bind(f"tcp://{bind_addr}:0")
+            self.endpoints[name] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # toward the workers: IPC in a directory only this user can open
+        self.cmd = self._socket(zmq.XPUB)
+        self.cmd.setsockopt(zmq.XPUB_MANUAL, 1)
+        self.reply = self._socket(zmq.PULL)
+        self.store = self._socket(zmq.ROUTER)
+        self.local = {}
+        for sock, name in ((self.cmd, "cmd"), (self.reply, "reply"), (self.store, "store")):
+            sock.bind(f"ipc://{directory}/{name}")
+            self.local[name] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop_r, self._stop_w = os.pipe()
+        self._wake_r, self._wake_w = os.pipe()
+        self._unsubscribe: list[bytes] = []
+        self._threads = [
+            threading.Thread(target=self._commands, name="monarch-relay-cmd", daemon=True),
+            threading.Thread(target=self._replies, name="monarch-relay-reply", daemon=True),
+            threading.Thread(target=self._store, name="monarch-relay-store", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _socket(self, kind: int, curve: AgentCurve | None = None) -> zmq.Socket:
+        s = self.ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 0)  # (the controller's sends are bounded by its own queue and backpressure)
+        s.setsockopt(zmq.RCVHWM, 0)
+        if curve is not None:
+            curve.serve(s)
+            heartbeat(s)
+        return s
+
+    def allow(self, topics: list[bytes]) -> None:
+        with self._lock:
+            self.topics.update(topics)
+
+    def forbid(self, topics: list[bytes]) -> None:
+        """The mesh of `topics` is gone: this host unsubscribes from them (a controller that connects later
+        would otherwise be told of them again)."""
+        with self._lock:
+            self.topics.difference_update(topics)
+            self._unsubscribe.extend(topics)
+        os.write(self._wake_w, b"u")
+
+    # -- the threads -------------------------------------------------------------------------------------
+    def _commands(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.up_cmd, zmq.POLLIN)
+        poller.register(self.cmd, zmq.POLLIN)
+        poller.register(self._stop_r, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        while True:
+            try:
+                ready = dict(poller.poll())
+                if self._stop_r in ready:
+                    return
+                if self._wake_r in ready:
+                    os.read(self._wake_r, 4096)
+                    with self._lock:
+                        gone, self._unsubscribe = self._unsubscribe, []
+                    for topic in gone:
+                        self.up_cmd.send(b"\x00" + topic)
+                if self.up_cmd in ready:
+                    while True:  # down: as it came, topic and all
+                        try:
+                            frames = self.up_cmd.recv_multipart(_NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self.cmd.send_multipart(frames, copy=False)
+                if self.cmd in ready:
+                    while True:
+                        try:
+                            frames = self.cmd.recv_multipart(_NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._up(frames)
+            except zmq.ContextTerminated:
+                return
+            except Exception:
+                self.log("the command relay", traceback.format_exc(limit=3))
+
+    def _up(self, frames: list) -> None:
+        first = frames[0].buffer
+        kind = bytes(first[:1])
+        if kind == b"\x01" and len(frames) == 1 and len(first) == 1 + TOPIC:
+            topic = bytes(first[1:])
+            if topic in self.topics:
+                self.cmd.setsockopt(zmq.SUBSCRIBE, topic)  # (applies to the worker's connection)
+                self.up_cmd.send(b"\x01" + topic)  # and this host to the controller's commands on it
+            return
+        if kind == UPSTREAM:  # a worker's start-up message, behind its subscriptions
+            self.up_cmd.send_multipart(frames, copy=False)
+        # (an unsubscription, made when a worker's connection closes, stays here)
+
+    def _replies(self) -> None:
+        try:
+            zmq.proxy(self.reply, self.up_reply)
+        except zmq.ZMQError:  # the sockets were closed: the agent is ending
+            pass
+
+    def _store(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.store, zmq.POLLIN)
+        poller.register(self.up_store, zmq.POLLIN)
+        poller.register(self._stop_r, zmq.POLLIN)
+        while True:
+            try:
+                ready = dict(poller.poll())
+                if self._stop_r in ready:
+                    return
+                if self.store in ready:  # a worker's request: up, behind its identity and an empty frame
+                    while True:
+                        try:
+                            ident, *rest = self.store.recv_multipart(_NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self.up_store.send_multipart([ident, b"", *rest], copy=False)
+                if self.up_store in ready:  # an answer: to the worker it names
+                    while True:
+                        try:
+                            ident, empty, *rest = self.up_store.recv_multipart(_NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        except ValueError:
+                            continue
+                        if not len(empty):
+                            try:
+                                self.store.send_multipart([ident, *rest], _NOBLOCK, copy=False)
+                            except zmq.ZMQError:
+                                pass  # that worker is gone
+            except zmq.ContextTerminated:
+                return
+            except Exception:
+                self.log("the store relay", traceback.format_exc(limit=3))
+
+    def close(self) -> None:
+        os.write(self._stop_w, b"x")
+        for t in self._threads[::2]:
+            t.join(2)

@@ -1,0 +1,209 @@
+"""Host agents, without Slurm: two real agent processes on this machine (each on its own loopback address,
+each with its own workspace directory), started by the test as `srun` would start them on two hosts.
+
+The same code paths as a Slurm job's, but for the submission (tests/test_slurm.py runs those on a real
+Slurm with hosts in network namespaces, when it can)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import monarch
+import monarch.notebook
+from monarch.actor import this_host
+
+from agent_job import AgentJob
+from conftest import pid_alive, wait_gone, worker_pids
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("jobs")
+    source = root / "workspace-source"
+    source.mkdir()
+    (source / "udf.py").write_text("def version():\n    return 1\n")
+    (source / "data.txt").write_text("unchanged\n")
+    j = AgentJob(root, "agents", hosts=2, workspace=source)
+    j.source = source
+    j.start()
+    yield j
+    assert j.stop() == []
+
+
+@pytest.fixture(scope="module")
+def mesh(job):
+    m = monarch.notebook.job(job.name).spawn_procs({"gpu": 2})
+    pids = worker_pids(m)
+    yield m
+    m.exit()
+    assert wait_gone(pids) == []
+
+
+@monarch.remote
+def where(group=None):
+    import torch.distributed as dist
+
+    t = torch.ones(1) * dist.get_rank()
+    dist.all_reduce(t, group=group)
+    return t.item()
+
+
+def _ancestors(pid: int) -> list[int]:
+    out = []
+    while pid > 1:
+        with open(f"/proc/{pid}/stat") as f:
+            pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        out.append(pid)
+    return out
+
+
+def test_a_mesh_on_two_hosts_runs_collectives_over_host_and_gpu(job, mesh):
+    assert mesh.sizes == {"host": 2, "gpu": 2}
+    assert list(where.on(mesh)()) == [6.0] * 4
+    assert list(where.on(mesh)(mesh.process_group("gpu"))) == [1.0, 1.0, 5.0, 5.0]
+    assert list(where.on(mesh)(mesh.process_group("host"))) == [2.0, 4.0, 2.0, 4.0]
+    # each host's workers were forked by that host's agent (through its own fork server)
+    for rank, pid in enumerate(worker_pids(mesh)):
+        assert job.pids[rank // 2] in _ancestors(pid)
+
+
+def test_the_tensor_engine_reduces_across_hosts_and_moves_between_them(mesh):
+    with mesh.activate():
+        r = torch.ones(3).mul(float(1)).reduce("host", "sum")
+        coords = torch.arange(4.0).reduce("gpu", "stack")
+    assert torch.equal(monarch.inspect(r, host=1, gpu=0), torch.full((3,), 2.0))
+    first, second = mesh.slice(host=0), mesh.slice(host=1)
+    with first.activate():
+        x = torch.full((2,), 7.0)
+    moved = x.to_mesh(second)
+    assert torch.equal(monarch.inspect(moved, gpu=1), torch.full((2,), 7.0))
+    assert monarch.inspect(coords, host=1, gpu=1).shape == (2, 4)
+
+
+def test_the_workspace_travels_by_changed_file_and_changed_modules_reload(job, mesh):
+    @monarch.remote
+    def use():
+        import udf
+
+        return udf.version(), os.getcwd()
+
+    got = list(use.on(mesh)())
+    assert [v for v, _ in got] == [1] * 4
+    assert {cwd for _, cwd in got} == {str(job.workspaces[0]), str(job.workspaces[1])}  # each host its own copy
+    (job.source / "udf.py").write_text("def version():\n    return 2\n")
+    changed = mesh.sync_workspace()
+    assert sorted(changed.values()) == [["udf.py"], ["udf.py"]]  # the unchanged file did not travel
+    assert [v for v, _ in use.on(mesh)()] == [2] * 4  # reloaded, no new reservation
+    (job.source / "data.txt").unlink()
+    assert sorted(mesh.sync_workspace().values()) == [["data.txt"], ["data.txt"]]
+    assert not (job.workspaces[1] / "data.txt").exists()
+    assert mesh.sync_workspace() == {k: [] for k in changed}
+
+
+def test_the_jobs_secret_is_private_and_on_no_command_line(job, mesh):
+    d = job.dir.path
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    assert stat.S_IMODE((d / "secret.json").stat().st_mode) == 0o600
+    secret = job.dir.secret()
+    needles = [secret.key.hex().encode(), secret.curve.server_secret, secret.curve.client_secret]
+    for pid in job.pids + worker_pids(mesh):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read()
+        assert not any(n in cmdline or n in environ for n in needles), pid
+
+
+def test_a_stranger_without_the_jobs_key_gets_no_answer(job, mesh):
+    import zmq
+
+    from monarch.runtime import protocol, wire
+
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    public, secret = zmq.curve_keypair()  # its own client keys: the agent's ZAP handler refuses them
+    s.curve_serverkey = job.dir.secret().curve.server_public
+    s.curve_publickey, s.curve_secretkey = public, secret
+    s.connect(job.dir.agents()[0].endpoints["ctl"])
+    s.send_multipart(wire.encode(os.urandom(32), protocol.LINK, -1, 1, protocol.pack(protocol.AgentHello("x"))))
+    assert s.poll(1000) == 0
+    s.close(0)
+    assert list(where.on(mesh)()) == [6.0] * 4  # the agents serve on
+
+
+CONTROLLER = textwrap.dedent(
+    """
+    import os, sys, time
+    os.environ["MONARCH_JOBS_DIR"] = sys.argv[1]
+    import monarch.notebook
+    mesh = monarch.notebook.job(sys.argv[2]).spawn_procs({"gpu": 1})
+    print(" ".join(str(r["pid"]) for r in mesh.to_table().rows), flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def test_the_agents_end_the_workers_of_a_controller_that_died_and_serve_the_next_one(tmp_path):
+    j = AgentJob(tmp_path, "restart", hosts=2)
+    j.start()
+    try:
+        other = subprocess.Popen(
+            [sys.executable, "-c", CONTROLLER, str(tmp_path), j.name], stdout=subprocess.PIPE, text=True
+        )
+        pids = [int(p) for p in other.stdout.readline().split()]
+        assert len(pids) == 2
+        with pytest.raises(ConnectionError, match=r"refused: the job is in use by the controller \S+:\d+"):
+            monarch.notebook.job(j.name).spawn_procs({"gpu": 1})
+        other.send_signal(signal.SIGKILL)  # a kernel killed: its link closes, its workers go
+        other.wait()
+        assert wait_gone(pids, 10) == []
+        t0 = time.monotonic()
+        mesh = monarch.notebook.job(j.name).spawn_procs({"gpu": 1})
+        print(f"attach and start after a controller died: {time.monotonic() - t0:.2f} s")
+        fresh = worker_pids(mesh)
+        assert set(fresh).isdisjoint(pids) and all(pid_alive(p) for p in j.pids)  # the same agents
+        assert list(where.on(mesh)()) == [1.0, 1.0]
+        mesh.exit()
+    finally:
+        assert j.stop() == []
+
+
+def test_a_host_whose_agent_dies_is_named_and_other_meshes_keep_working(tmp_path):
+    j = AgentJob(tmp_path, "lost", hosts=2)
+    j.start()
+    local = this_host().spawn_procs({"gpu": 2})
+    try:
+        mesh = monarch.notebook.job(j.name).spawn_procs({"gpu": 2})
+        pids = worker_pids(mesh)
+
+        @monarch.remote
+        def nap():
+            time.sleep(60)
+
+        fut = nap.on(mesh).call_async()
+        time.sleep(0.5)
+        os.kill(j.pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(monarch.WorkerDiedError) as e:
+            fut.result(timeout=30)
+        print(f"agent killed: the call raised after {time.monotonic() - t0:.2f} s")
+        assert "is on host" in str(e.value) and "(127.0.0.2)" in str(e.value), str(e.value)
+        assert wait_gone(pids, 10) == []  # the lost host's workers went with their agent, the others were stopped
+        assert list(where.on(local)()) == [1.0, 1.0]  # this machine's mesh is untouched
+        with pytest.raises(ConnectionError, match="host .*127.0.0.2.* is lost"):
+            mesh.respawn()
+    finally:
+        local.exit()
+        j.stop()
