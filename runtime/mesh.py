@@ -184,12 +184,10 @@ class ProcMesh:
         self.exit()
         sp = self._spawned
         controller = get_controller()
-        backend = sp.backend if sp.backend in controller.jobs.values() else None
-        if backend is None and sp.backend is not sp.controller.backend:
-            raise RuntimeError(
-                f"mesh {sp.shape.describe()} ran on a job this controller has detached from; start a new one "
-                "with monarch.notebook.job(NAME).spawn_procs(...)"
-            )
+        backend = None
+        job = getattr(sp.backend, "job", None)
+        if job is not None:  # a job's hosts: attach again (raises, naming a host that is gone)
+            backend = controller.attach(job, job.agents())
         spawned = controller.spawn(sp.shape.size_dict, backend)
         return ProcMesh(spawned, spawned.shape)
 

@@ -25,7 +25,7 @@ import zmq.utils.monitor
 from monarch.runtime import protocol, wire
 from monarch.runtime.agent.relay import Relay
 from monarch.runtime.backends.jobfiles import AgentRecord, JobDir, Manifest, Secret
-from monarch.runtime.backends.procs import WorkerProcs, fork_server, fork_server_pid, private_dir
+from monarch.runtime.backends.procs import WorkerProcs, fork_server_pid, private_dir, warm_fork_server
 from monarch.runtime.backends.transport import RateLimitedLog, WorkerKeys, heartbeat
 from monarch.runtime.config import Settings
 
@@ -100,7 +100,7 @@ class Agent:
         self.workspace = Manifest(cfg.workspace) if cfg.workspace else None
         self._sync_removed: list[str] = []
         self._sync_wanted: list[str] = []
-        fork_server()  # torch imported now: the first mesh starts in a fraction of a second
+        warm_fork_server()  # torch imported before the agent says it is up: a mesh starts in about a second
         self.record = AgentRecord(
             cfg.index, socket.gethostname(), cfg.bind_addr, os.getpid(),
             {"ctl": self.ctl.getsockopt_string(zmq.LAST_ENDPOINT), **self.relay.endpoints},

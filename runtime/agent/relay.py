@@ -56,6 +56,8 @@ class Relay:
         self._stop_r, self._stop_w = os.pipe()
         self._wake_r, self._wake_w = os.pipe()
         self._unsubscribe: list[bytes] = []
+        self._upstream: set[bytes] = set()
+        """Topics this host subscribed to upstream, once each (the controller's side counts subscriptions)."""
         self._threads = [
             threading.Thread(target=self._commands, name="monarch-relay-cmd", daemon=True),
             threading.Thread(target=self._replies, name="monarch-relay-reply", daemon=True),
@@ -103,7 +105,9 @@ class Relay:
                     with self._lock:
                         gone, self._unsubscribe = self._unsubscribe, []
                     for topic in gone:
-                        self.up_cmd.send(b"\x00" + topic)
+                        if topic in self._upstream:
+                            self._upstream.discard(topic)
+                            self.up_cmd.send(b"\x00" + topic)
                 if self.up_cmd in ready:
                     while True:  # down: as it came, topic and all
                         try:
@@ -130,7 +134,9 @@ class Relay:
             topic = bytes(first[1:])
             if topic in self.topics:
                 self.cmd.setsockopt(zmq.SUBSCRIBE, topic)  # (applies to the worker's connection)
-                self.up_cmd.send(b"\x01" + topic)  # and this host to the controller's commands on it
+                if topic not in self._upstream:  # and this host to the controller's commands on it, once
+                    self._upstream.add(topic)
+                    self.up_cmd.send(b"\x01" + topic)
             return
         if kind == UPSTREAM:  # a worker's start-up message, behind its subscriptions
             self.up_cmd.send_multipart(frames, copy=False)

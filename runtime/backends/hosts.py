@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -24,7 +25,7 @@ from typing import Any
 import zmq
 import zmq.utils.monitor
 
-from monarch.runtime import groups, protocol, wire
+from monarch.runtime import groups, protocol, slurm, wire
 from monarch.runtime.backends.base import Backend, LostCallback
 from monarch.runtime.backends.jobfiles import AgentRecord, JobDir, Manifest
 from monarch.runtime.backends.local import LocalBackend, await_ready, take_startup
@@ -115,15 +116,27 @@ class HostsBackend(Backend):
                 sock.setsockopt(zmq.LINGER, 0)
                 self.secret.curve.client(sock)
                 heartbeat(sock)
-                monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+                monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
                 sock.connect(rec.endpoints["ctl"])
                 self.hosts.append(Host(rec, sock, monitor))
                 self._send(i, protocol.AgentHello(me))
             deadline = time.monotonic() + ATTACH_TIMEOUT
             for i, host in enumerate(self.hosts):
+                poller = zmq.Poller()
+                poller.register(host.sock, zmq.POLLIN)
+                poller.register(host.monitor, zmq.POLLIN)
                 while host.info is None:
                     left = deadline - time.monotonic()
-                    if left <= 0 or not host.sock.poll(max(1, int(left * 1000))):
+                    ready = dict(poller.poll(max(1, int(left * 1000)))) if left > 0 else {}
+                    if host.monitor in ready:
+                        event = zmq.utils.monitor.recv_monitor_message(host.monitor)
+                        if event["event"] == zmq.EVENT_CONNECT_RETRIED:
+                            raise ConnectionError(
+                                f"job {self.job.name}: the agent on {host.name} is not listening (its job ended, or "
+                                "it was killed); monarch.notebook.list_jobs() shows the job's state"
+                            )
+                        continue
+                    if host.sock not in ready:
                         raise ConnectionError(
                             f"job {self.job.name}: the agent on {host.name} did not answer within "
                             f"{ATTACH_TIMEOUT:.0f} s (is the job still running? monarch.notebook.list_jobs())"
@@ -240,18 +253,42 @@ class HostsBackend(Backend):
         host = self.hosts[i]
         if host.lost:
             return
+        ended = self._slurm_ended()
+        if ended:
+            why = ended
         host.lost = why
         for mesh_id, mesh in list(self.meshes.items()):
             ranks = mesh.hosts.get(i)
             if not ranks:
                 continue
-            cause = f"is on host {host.name}, which {why}"
+            cause = f"is on host {host.name}, {'whose' if ended else 'which'} {why}"
             if mesh.running:
                 self.on_lost(mesh_id, ranks[0], cause)
             else:
                 with self.changed:
                     mesh.exited.update(dict.fromkeys(ranks, cause))
                     self.changed.notify_all()
+
+    def _slurm_ended(self) -> str:
+        """'Slurm job 12 was cancelled' when the job's Slurm job has ended (a host's agent goes with it),
+        waiting a moment for Slurm to say so; "" when it still runs (or there is no Slurm job)."""
+        try:
+            slurm_id = self.job.meta().get("slurm_id")
+        except (OSError, ValueError):
+            return ""
+        if not slurm_id:
+            return ""
+        deadline = time.monotonic() + 1.5
+        while True:
+            try:
+                st = slurm.state(slurm_id)
+            except (OSError, subprocess.SubprocessError):
+                return ""
+            if st.terminal:
+                return f"Slurm job {slurm_id} {st.words()}"
+            if st.state not in ("COMPLETING", "RUNNING") or time.monotonic() > deadline:
+                return ""
+            time.sleep(0.1)
 
     # -- the workspace -----------------------------------------------------------------------------------
     def sync_workspace(self, directory: str, timeout: float = 120.0) -> dict[str, list[str]]:

@@ -372,6 +372,14 @@ def fork_server():
     return _WorkerProcess
 
 
+def warm_fork_server() -> None:
+    """Start the fork server and wait until it has imported torch (by forking one process that does
+    nothing): for a process that says it is ready only when a mesh can start at once (a host agent)."""
+    p = fork_server()(target=os.getpid, name="monarch-warm-up")
+    p.start()
+    p.join()
+
+
 def fork_server_pid() -> int | None:
     return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
 

@@ -94,12 +94,13 @@ class Controller:
 
     def detach(self, name: str) -> None:
         """Stop this controller's meshes on job `name` and close its links (the agents stay)."""
-        backend = self.jobs.pop(name, None)
+        backend = self.jobs.get(name)
         if backend is None:
             return
         for mesh in [m for m in list(self.meshes.values()) if m.backend is backend]:
-            self.stop(mesh)
-        backend.close()
+            self.stop(mesh)  # (the last one lets go of the job)
+        if self.jobs.pop(name, None) is not None:
+            backend.close()
 
     def add_listener(self, fn: Callable[[SpawnedMesh], None]) -> None:
         """Call `fn(mesh)` (on any thread) whenever a mesh's workers change state."""
@@ -267,6 +268,15 @@ class Controller:
         self._mark_gone(mesh)
         self.meshes.pop(mesh.mesh_id, None)
         self.changed(mesh)
+        self._detach_unused(mesh.backend)
+
+    def _detach_unused(self, backend: Any) -> None:
+        """A job's last mesh here stopped: let go of its agents, so another controller (a second notebook)
+        can attach; attaching again takes milliseconds."""
+        for name, b in list(self.jobs.items()):
+            if b is backend and not any(m.backend is b for m in self.meshes.values()):
+                self.jobs.pop(name, None)
+                b.close()
 
     def stop_all(self) -> list[SpawnedMesh]:
         """Stop every mesh; returns those that were stopped."""

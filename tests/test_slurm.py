@@ -1,0 +1,240 @@
+"""Scale-out on a real Slurm (slurmctld, slurmd per host, munge) with 2 hosts faked by network namespaces:
+distinct hostnames and addresses, a bridge between them. Needs root and Slurm's packages (`./run test` installs
+them as root); without them every test here is skipped, saying what is missing."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import monarch
+import monarch.notebook
+from monarch.runtime import slurm
+
+from conftest import REPO, wait_gone, worker_pids
+from kernel_client import monarch_kernel
+from slurm_cluster import Cluster, missing
+
+WHY = missing()
+pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(WHY is not None, reason=f"no Slurm here: {WHY}")]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(hosts=2)
+    c.start()
+    saved = {k: os.environ.get(k) for k in ("SLURM_CONF", "MONARCH_JOBS_DIR")}
+    os.environ["SLURM_CONF"] = str(c.conf)
+    os.environ["MONARCH_JOBS_DIR"] = str(tmp_path_factory.mktemp("slurm-jobs"))
+    yield c
+    c.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    assert [
+        ns for ns in c.netns if ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    ] == []
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    ws = tmp_path_factory.mktemp("workspace")
+    (ws / "steps.py").write_text("def step(x):\n    return x + 1\n")
+    return ws
+
+
+@pytest.fixture(scope="module")
+def job(cluster, workspace):
+    cmd = [sys.executable, "-m", "monarch.notebook", "reserve", "--hosts", "2", "--gpus-per-host", "2",
+           "--name", "scale", "--workspace", str(workspace)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr + cluster.log_tail()
+    assert "monarch: job scale is up: 2 hosts (node1, node2)" in out.stderr, out.stderr
+    assert re.search(r"monarch: job scale \(Slurm \d+\) is (pending|running)", out.stderr), (
+        out.stderr
+    )  # the queue, shown
+    j = monarch.notebook.job("scale")
+    yield j
+    if (j.dir.path / "job.json").exists():
+        monarch.notebook.cleanup("scale")
+
+
+@monarch.remote
+def whereabouts(group=None):
+    import socket
+
+    import torch.distributed as dist
+
+    from monarch.runtime.agent.main import interface_addr
+
+    t = torch.ones(1) * dist.get_rank()
+    dist.all_reduce(t, group=group)
+    return socket.gethostname(), interface_addr("eth0"), t.item()
+
+
+def test_a_reserved_job_runs_live_functions_collectives_and_tensors_across_hosts(job):
+    listed = [j for j in monarch.notebook.list_jobs() if j["name"] == "scale"]
+    assert listed and listed[0]["state"] == "RUNNING" and listed[0]["agents_up"] == 2
+    t0 = time.monotonic()
+    mesh = job.spawn_procs({"gpu": 2})
+    print(f"attach + first spawn on 2 hosts x 2: {time.monotonic() - t0:.2f} s")
+    try:
+        got = list(whereabouts.on(mesh)())
+        assert [(h, a) for h, a, _ in got] == [("node1", "10.77.0.11")] * 2 + [("node2", "10.77.0.12")] * 2
+        assert {s for _, _, s in got} == {6.0}
+        assert [s for *_, s in whereabouts.on(mesh)(mesh.process_group("gpu"))] == [1.0, 1.0, 5.0, 5.0]
+        assert [s for *_, s in whereabouts.on(mesh)(mesh.process_group("host"))] == [2.0, 4.0, 2.0, 4.0]
+        with mesh.activate():
+            r = torch.full((4,), 1.0).reduce("host", "sum")
+        assert torch.equal(monarch.inspect(r, host=1, gpu=1), torch.full((4,), 2.0))
+        with mesh.slice(host=0).activate():
+            x = torch.arange(3.0)
+        moved = x.to_mesh(mesh.slice(host=1))
+        assert torch.equal(monarch.inspect(moved, gpu=1), torch.arange(3.0))
+    finally:
+        pids = worker_pids(mesh)
+        mesh.exit()
+    assert wait_gone(pids) == []
+
+
+def test_the_workspace_reaches_each_host_and_an_edit_runs_after_a_sync(job, workspace):
+    mesh = job.spawn_procs({"gpu": 1})
+    try:
+
+        @monarch.remote
+        def run():
+            import os
+
+            import steps
+
+            return steps.step(1), os.path.dirname(steps.__file__)
+
+        got = list(run.on(mesh)())
+        assert [v for v, _ in got] == [2, 2]
+        assert got[0][1] != got[1][1] and all("node" in d for _, d in got)  # each host's own copy
+        (workspace / "steps.py").write_text("def step(x):\n    return x * 10\n")
+        assert list(mesh.sync_workspace().values()) == [["steps.py"], ["steps.py"]]
+        assert [v for v, _ in run.on(mesh)()] == [10, 10]
+    finally:
+        mesh.exit()
+
+
+def test_a_kernel_restart_attaches_again_to_the_same_agents_with_fresh_workers(job):
+    agents = [a.pid for a in job.dir.agents()]
+    spawn = "import monarch.notebook\nmesh = monarch.notebook.job('scale').spawn_procs({'gpu': 2})"
+    with monarch_kernel() as k:
+        assert k.run(spawn, timeout=60).status == "ok"
+        r = k.run("%%mesh mesh\nimport socket\nprint(socket.gethostname())")
+        assert r.status == "ok", r.text()
+        text = r.final_outputs()[0]["text/plain"]
+        assert "[host=0,gpu=1] node1" in text and "[host=1,gpu=0] node2" in text, text
+        before = k.value("[row['pid'] for row in mesh.to_table().rows]")
+        k.km.restart_kernel(now=False)
+        assert wait_gone(before, 10) == []  # the agents ended the old kernel's workers
+        t0 = time.monotonic()
+        assert k.run(spawn, timeout=60).status == "ok"
+        print(f"kernel restarted: attach + spawn again on the same agents: {time.monotonic() - t0:.2f} s")
+        after = k.value("[row['pid'] for row in mesh.to_table().rows]")
+        assert set(after).isdisjoint(before)
+        assert k.run("%%mesh mesh\nrank").status == "ok"
+        k.km.shutdown_kernel(now=False)
+        assert wait_gone(after, 10) == []
+    assert [a.pid for a in job.dir.agents()] == agents  # the same agents throughout
+
+
+def test_a_host_whose_link_goes_down_is_named_within_seconds_and_the_rest_works(job, cluster):
+    from monarch.actor import this_host
+
+    mesh = job.spawn_procs({"gpu": 1})
+    local = this_host().spawn_procs({"gpu": 1})
+
+    @monarch.remote
+    def nap():
+        time.sleep(60)
+
+    fut = nap.on(mesh).call_async()
+    time.sleep(0.5)
+    cluster.link(1, up=False)  # no RST: packets just stop
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(monarch.WorkerDiedError) as e:
+            fut.result(timeout=30)
+        took = time.monotonic() - t0
+        print(f"link down: the call raised after {took:.1f} s")
+        assert "host node2 (10.77.0.12)" in str(e.value) and "stopped answering" in str(e.value), str(e.value)
+        assert took < 15
+        assert list(whereabouts.on(local)())[0][2] == 0.0  # other meshes are untouched
+    finally:
+        cluster.link(1, up=True)
+        local.exit()
+    # back up: attaching again works (a new link), with fresh workers on both hosts
+    again = job.spawn_procs({"gpu": 1})
+    assert [h for h, *_ in whereabouts.on(again)()] == ["node1", "node2"]
+    again.exit()
+
+
+def test_bad_requests_name_what_is_wrong(cluster):
+    with pytest.raises(ValueError, match=r"hosts=5: partition debug has 2 nodes"):
+        monarch.notebook.reserve(5)
+    with pytest.raises(slurm.SlurmError, match=r"no Slurm partition 'gpus' \(partitions: debug\)"):
+        monarch.notebook.reserve(1, partition="gpus")
+    with pytest.raises(ValueError, match=r"no job named 'nope' \(jobs: "):
+        monarch.notebook.job("nope")
+    out = subprocess.run(
+        [sys.executable, "-m", "monarch.notebook", "reserve", "--hosts", "1"],
+        capture_output=True, text=True, timeout=60, env=dict(os.environ, PATH="/nonexistent"),
+    )  # fmt: skip
+    assert (
+        out.returncode == 2 and "Slurm is not installed here (sbatch, squeue, scancel, sinfo not on PATH)" in out.stderr
+    )
+
+
+def test_a_job_that_slurm_ends_is_reported_and_cleanup_leaves_nothing(cluster, tmp_path):
+    job = monarch.notebook.reserve(2, name="ended")
+    mesh = job.spawn_procs({"gpu": 1})
+    pids = worker_pids(mesh)
+    agents = [a.pid for a in job.dir.agents()]
+    slurm.cancel(job.meta["slurm_id"])  # ended from outside (scancel, a time limit, a preemption)
+    with pytest.raises(monarch.WorkerDiedError, match=r"Slurm job \d+ was cancelled"):
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            whereabouts.on(mesh)()
+            time.sleep(0.2)
+    assert wait_gone(pids + agents, 10) == []
+    with pytest.raises(RuntimeError, match=r"Slurm job \d+ was cancelled|no longer known to Slurm"):
+        job.spawn_procs({"gpu": 1})
+    monarch.notebook.cleanup("ended")
+    assert "ended" not in [j["name"] for j in monarch.notebook.list_jobs()]
+
+
+def test_cleanup_cancels_the_slurm_job_and_every_process_goes(job, cluster):
+    mesh = job.spawn_procs({"gpu": 2})
+    pids = worker_pids(mesh)
+    agents = [a.pid for a in job.dir.agents()]
+    slurm_id = job.meta["slurm_id"]
+    monarch.notebook.cleanup("scale")
+    assert wait_gone(pids + agents, 15) == []
+    deadline = time.monotonic() + 20
+    while not slurm.state(slurm_id).terminal and time.monotonic() < deadline:  # (COMPLETING for a moment)
+        time.sleep(0.2)
+    assert slurm.state(slurm_id).terminal
+    assert all(cluster.pids_in(h) == [] or _only_slurmd(cluster.pids_in(h)) for h in range(2))
+
+
+def _only_slurmd(pids: list[int]) -> bool:
+    names = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return set(names) <= {"slurmd", "sh", "unshare"}
