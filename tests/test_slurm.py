@@ -22,6 +22,8 @@ from kernel_client import monarch_kernel
 from slurm_cluster import Cluster, missing
 
 WHY = missing()
+if WHY is not None and os.environ.get("CI") and os.geteuid() == 0:  # CI as root installs Slurm (./run test)
+    raise RuntimeError(f"the scale-out tests cannot run: {WHY}")
 pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(WHY is not None, reason=f"no Slurm here: {WHY}")]
 
 
@@ -213,6 +215,21 @@ def test_a_job_that_slurm_ends_is_reported_and_cleanup_leaves_nothing(cluster, t
         job.spawn_procs({"gpu": 1})
     monarch.notebook.cleanup("ended")
     assert "ended" not in [j["name"] for j in monarch.notebook.list_jobs()]
+
+
+@pytest.mark.timeout(300)
+def test_the_slurm_notebook_runs(cluster, tmp_path):
+    """notebooks/slurm.ipynb: reserve, attach, run, sync, clean up (its outputs checked in test_notebooks)."""
+    from pathlib import Path
+
+    from test_notebooks import run_notebook
+
+    run_notebook(Path(REPO, "notebooks", "slurm.ipynb"), tmp_path, local_workers=False)  # (its are the agents')
+    assert "notebook-demo" not in [j["name"] for j in monarch.notebook.list_jobs()]
+    deadline = time.monotonic() + 15
+    while not all(_only_slurmd(cluster.pids_in(h)) for h in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(_only_slurmd(cluster.pids_in(h)) for h in range(2))  # its agents and workers are gone
 
 
 def test_cleanup_cancels_the_slurm_job_and_every_process_goes(job, cluster):
