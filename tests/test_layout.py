@@ -33,7 +33,7 @@ def test_kernel_extension_and_widgets_use_the_runtime_through_public_names_only(
 def test_no_module_of_the_runtime_signs_or_checks_messages_but_the_transport():
     found = []
     for folder in ("runtime", "runtime/backends", "runtime/controller", "runtime/tensor", "runtime/worker",
-                   "runtime/worker/engine"):  # fmt: skip
+                   "runtime/worker/engine", "runtime/agent"):  # fmt: skip
         for name, tree in _sources(folder):
             for node in ast.walk(tree):
                 if isinstance(node, ast.Attribute) and node.attr in ("encode", "decode"):

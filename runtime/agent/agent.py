@@ -26,7 +26,7 @@ from monarch.runtime import protocol, wire
 from monarch.runtime.agent.relay import Relay
 from monarch.runtime.backends.jobfiles import AgentRecord, JobDir, Manifest, Secret
 from monarch.runtime.backends.procs import WorkerProcs, fork_server_pid, private_dir, warm_fork_server
-from monarch.runtime.backends.transport import RateLimitedLog, WorkerKeys, heartbeat
+from monarch.runtime.backends.transport import LinkEnd, RateLimitedLog, WorkerKeys, heartbeat
 from monarch.runtime.config import Settings
 
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -80,8 +80,7 @@ class Agent:
         self.attached_fd = -1
         """Its socket (ZeroMQ reports a connection's end by fd)."""
         self.controller = ""
-        self._seq = 0
-        self._seen = 0
+        self.link = LinkEnd(self.secret.key, cfg.index, wire.CONTROLLER)
         self._outbox: list[Any] = []
         self._outbox_lock = threading.Lock()
         self._wake = self.ctx.socket(zmq.PULL)
@@ -115,8 +114,7 @@ class Agent:
         """To the attached controller (the control loop's thread only)."""
         if self.attached is None:
             return
-        self._seq += 1
-        frames = wire.encode(self.secret.key, protocol.LINK, self.cfg.index, self._seq, protocol.pack(message))
+        frames = self.link.encode(message)
         with contextlib.suppress(zmq.ZMQError):
             self.ctl.send_multipart([self.attached, *frames], _NOBLOCK)
 
@@ -168,43 +166,36 @@ class Agent:
         if not frames:
             return
         try:
-            env = wire.decode(self.secret.key, frames)
-            if env.mesh_id != protocol.LINK or env.rank != wire.CONTROLLER:
-                raise ValueError("not a controller's message")
-            message = protocol.unpack(env.message)
+            env = self.link.decode(frames, fresh=ident != self.attached)
         except (wire.BadSignature, ValueError) as e:
             self.log("a message", str(e))
             return
+        message = env.message
         if type(message) is protocol.AgentHello:
-            self._hello(ident, frames[0].get(zmq.SRCFD), env.seq, message)
+            self._hello(ident, frames[0].get(zmq.SRCFD), env, message)
             return
         if ident != self.attached:
             self.log("a message", "from a controller that is not attached")
             return
-        if env.seq <= self._seen:
-            self.log("a replayed message", f"number {env.seq} was already taken")
-            return
-        self._seen = env.seq
+        self.link.accept(env)
         handler = self._handlers.get(type(message))
         if handler is None:
             self.log("a message", f"{type(message).__name__} is not for agents")
             return
         if type(message) is protocol.SyncFiles:
-            handler(message, wire.loads(env.body, env.buffers))  # (signed: checked above)
+            handler(message, self.link.body(env))
         else:
             handler(message)
 
-    def _hello(self, ident: bytes, fd: int, seq: int, msg: protocol.AgentHello) -> None:
+    def _hello(self, ident: bytes, fd: int, env: Any, msg: protocol.AgentHello) -> None:
         if self.attached is not None and self.attached != ident:
             refused = f"the job is in use by the controller {self.controller} (detach it first)"
-            self._seq += 1
-            frames = wire.encode(
-                self.secret.key, protocol.LINK, self.cfg.index, self._seq, protocol.pack(self._info(refused))
-            )
+            frames = self.link.encode(self._info(refused))
             with contextlib.suppress(zmq.ZMQError):
                 self.ctl.send_multipart([ident, *frames], _NOBLOCK)
             return
-        self.attached, self.attached_fd, self.controller, self._seen = ident, fd, msg.controller, seq
+        self.attached, self.attached_fd, self.controller = ident, fd, msg.controller
+        self.link.accept(env)
         self._send(self._info(""))
 
     def _info(self, refused: str) -> protocol.AgentInfo:

@@ -29,7 +29,7 @@ from monarch.runtime import groups, protocol, slurm, wire
 from monarch.runtime.backends.base import Backend, LostCallback
 from monarch.runtime.backends.jobfiles import AgentRecord, JobDir, Manifest
 from monarch.runtime.backends.local import LocalBackend, await_ready, take_startup
-from monarch.runtime.backends.transport import HEARTBEAT_TIMEOUT, PeerStalled, RateLimitedLog, heartbeat
+from monarch.runtime.backends.transport import HEARTBEAT_TIMEOUT, LinkEnd, PeerStalled, RateLimitedLog, heartbeat
 from monarch.runtime.shape import Shape
 
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -44,10 +44,9 @@ class Host:
     record: AgentRecord
     sock: zmq.Socket
     monitor: zmq.Socket
+    link: LinkEnd
     info: Any = None
     """Its `AgentInfo`."""
-    seq: int = 0
-    seen: int = 0
     lost: str = ""
     """Why it is lost ("" while it answers)."""
 
@@ -118,7 +117,7 @@ class HostsBackend(Backend):
                 heartbeat(sock)
                 monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
                 sock.connect(rec.endpoints["ctl"])
-                self.hosts.append(Host(rec, sock, monitor))
+                self.hosts.append(Host(rec, sock, monitor, LinkEnd(self.secret.key, wire.CONTROLLER, rec.index)))
                 self._send(i, protocol.AgentHello(me))
             deadline = time.monotonic() + ATTACH_TIMEOUT
             for i, host in enumerate(self.hosts):
@@ -160,10 +159,7 @@ class HostsBackend(Backend):
     def _send(self, i: int, message: Any, body: list | None = None) -> None:
         host = self.hosts[i]
         with self._lock:
-            host.seq += 1
-            frames = wire.encode(
-                self.secret.key, protocol.LINK, wire.CONTROLLER, host.seq, protocol.pack(message), body
-            )
+            frames = host.link.encode(message, body)
             with contextlib.suppress(zmq.ZMQError):
                 host.sock.send_multipart(frames, _NOBLOCK)
 
@@ -176,13 +172,9 @@ class HostsBackend(Backend):
             except zmq.Again:
                 return None
         try:
-            env = wire.decode(self.secret.key, frames)
-            if env.mesh_id != protocol.LINK or env.rank != host.record.index:
-                raise ValueError(f"it claims to come from agent {env.rank}")
-            if env.seq <= host.seen:
-                raise ValueError(f"number {env.seq} was already taken")
-            host.seen = env.seq
-            return protocol.unpack(env.message)
+            env = host.link.decode(frames)
+            host.link.accept(env)
+            return env.message
         except (wire.BadSignature, ValueError) as e:
             self.log("a message", f"from {host.name}: {e}")
             return None

@@ -275,6 +275,40 @@ class AgentCurve:
         return cls(server_public, server_secret, client_public, client_secret)
 
 
+class LinkEnd:
+    """One end of a controller's link to a host agent: signs what it sends with the job's key and checks
+    what it receives (the sender it claims, its sequence number) before anything is unpickled."""
+
+    def __init__(self, key: bytes, me: int, peer: int) -> None:
+        self.key, self.me, self.peer = key, me, peer
+        self.seq = 0
+        self.seen = 0
+
+    def encode(self, message: Any, body: list | None = None) -> list:
+        self.seq += 1
+        return wire.encode(self.key, protocol.LINK, self.me, self.seq, protocol.pack(message), body)
+
+    def decode(self, frames: list, fresh: bool = False) -> wire.Envelope:
+        """The envelope, its message unpacked; ValueError (or `wire.BadSignature`) for one that fails the
+        checks. `fresh`: the first message of a new connection (its numbers start again)."""
+        env = wire.decode(self.key, frames)
+        if env.mesh_id != protocol.LINK or env.rank != self.peer:
+            raise ValueError(f"it claims to come from ({env.mesh_id}, {env.rank}), not this link's other end")
+        if not fresh and env.seq <= self.seen:
+            raise ValueError(f"number {env.seq} was already taken (a replay)")
+        env.message = protocol.unpack(env.message)
+        return env
+
+    def accept(self, env: wire.Envelope) -> None:
+        """Take `env`'s number as the last seen (after `decode` and the caller's own checks)."""
+        self.seen = env.seq
+
+    @staticmethod
+    def body(env: wire.Envelope) -> Any:
+        """The envelope's body, unpickled (it was checked with the envelope)."""
+        return wire.loads(env.body, env.buffers)
+
+
 def _client(sock: zmq.Socket, keys: WorkerKeys) -> None:
     if keys.server_public is not None:
         sock.curve_serverkey = keys.server_public
