@@ -224,12 +224,17 @@ def test_the_slurm_notebook_runs(cluster, tmp_path):
 
     from test_notebooks import run_notebook
 
+    before = {h: set(cluster.pids_in(h)) for h in range(2)}  # (another job of this module may be up)
     run_notebook(Path(REPO, "notebooks", "slurm.ipynb"), tmp_path, local_workers=False)  # (its are the agents')
     assert "notebook-demo" not in [j["name"] for j in monarch.notebook.list_jobs()]
+
+    def new_ones() -> list[int]:
+        return [p for h in range(2) for p in cluster.pids_in(h) if p not in before[h]]
+
     deadline = time.monotonic() + 15
-    while not all(_only_slurmd(cluster.pids_in(h)) for h in range(2)) and time.monotonic() < deadline:
+    while not _only_slurmd(new_ones()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert all(_only_slurmd(cluster.pids_in(h)) for h in range(2))  # its agents and workers are gone
+    assert _only_slurmd(new_ones())  # the notebook's agents and workers are gone
 
 
 def test_cleanup_cancels_the_slurm_job_and_every_process_goes(job, cluster):
