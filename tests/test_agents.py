@@ -76,6 +76,10 @@ def test_a_mesh_on_two_hosts_runs_collectives_over_host_and_gpu(job, mesh):
     # each host's workers were forked by that host's agent (through its own fork server)
     for rank, pid in enumerate(worker_pids(mesh)):
         assert job.pids[rank // 2] in _ancestors(pid)
+    # the agents themselves never load torch (their fork servers do): answering a controller costs no import
+    for pid in job.pids:
+        with open(f"/proc/{pid}/maps") as f:
+            assert "libtorch" not in f.read()
 
 
 def test_the_tensor_engine_reduces_across_hosts_and_moves_between_them(mesh):

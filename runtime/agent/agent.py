@@ -99,7 +99,8 @@ class Agent:
         self.workspace = Manifest(cfg.workspace) if cfg.workspace else None
         self._sync_removed: list[str] = []
         self._sync_wanted: list[str] = []
-        warm_fork_server()  # torch imported before the agent says it is up: a mesh starts in about a second
+        # torch imported (in the fork server, not here) before the agent says it is up: a mesh starts at once
+        self.gpus = warm_fork_server()
         self.record = AgentRecord(
             cfg.index, socket.gethostname(), cfg.bind_addr, os.getpid(),
             {"ctl": self.ctl.getsockopt_string(zmq.LAST_ENDPOINT), **self.relay.endpoints},
@@ -199,11 +200,14 @@ class Agent:
         self._send(self._info(""))
 
     def _info(self, refused: str) -> protocol.AgentInfo:
-        import torch
-
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return protocol.AgentInfo(
-            self.record.host, self.cfg.bind_addr, os.getpid(), gpus, os.cpu_count() or 1, self.cfg.workspace, refused
+            self.record.host,
+            self.cfg.bind_addr,
+            os.getpid(),
+            self.gpus,
+            os.cpu_count() or 1,
+            self.cfg.workspace,
+            refused,
         )
 
     def _detach(self) -> None:

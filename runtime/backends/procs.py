@@ -372,12 +372,20 @@ def fork_server():
     return _WorkerProcess
 
 
-def warm_fork_server() -> None:
-    """Start the fork server and wait until it has imported torch (by forking one process that does
-    nothing): for a process that says it is ready only when a mesh can start at once (a host agent)."""
-    p = fork_server()(target=os.getpid, name="monarch-warm-up")
+def warm_fork_server() -> int:
+    """Start the fork server and wait until it has imported torch (by forking one process that counts
+    the GPUs): for a process that says it is ready only when a mesh can start at once (a host agent).
+    Returns the number of GPUs its workers see, so that the caller need not import torch itself."""
+    p = fork_server()(target=_count_gpus, name="monarch-warm-up")
     p.start()
     p.join()
+    return max(p.exitcode or 0, 0)
+
+
+def _count_gpus() -> None:
+    import torch
+
+    sys.exit(min(torch.cuda.device_count(), 255) if torch.cuda.is_available() else 0)  # (as the exit code)
 
 
 def fork_server_pid() -> int | None:
