@@ -21,7 +21,8 @@ from typing import Any
 
 def reserve(hosts: int, gpus_per_host: int = 0, **kw: Any):
     """Reserve `hosts` nodes through Slurm, one agent each; returns the `Job` once every agent is up. Options:
-    `name`, `partition`, `time_limit`, `workspace` (a directory copied to each host), `timeout` (none)."""
+    `name`, `partition`, `time_limit`, `workspace` (a directory copied to each host), `timeout` (none),
+    `interface` (the network interface the agents listen on and give gloo/NCCL; default: the first one up)."""
     from monarch.runtime.jobs import reserve as _reserve
 
     return _reserve(hosts, gpus_per_host, **kw)
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--time", dest="time_limit", help="time limit, as sbatch takes it (e.g. 2:00:00)")
     r.add_argument("--name", help="the job's name, to find it later (default: monarch-XXXXXX)")
     r.add_argument("--workspace", help="a directory to copy to each host (only changed files travel)")
+    r.add_argument("--interface", help="network interface for agents and gloo/NCCL (default: first one up)")
     r.add_argument("--timeout", type=float, help="give up after this many seconds (default: wait)")
     sub.add_parser("list", help="the jobs recorded here, with their Slurm state")
     c = sub.add_parser("cleanup", help="cancel a job and forget it")
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             j = reserve(
                 args.hosts, args.gpus_per_host, name=args.name, partition=args.partition,
                 time_limit=args.time_limit, workspace=args.workspace, timeout=args.timeout,
+                interface=args.interface,
             )  # fmt: skip
             print(f"attach with: monarch.notebook.job({j.name!r}).spawn_procs({{'gpu': N}})")
         elif args.cmd == "list":

@@ -153,9 +153,12 @@ def reserve(
     workspace: str | None = None,
     timeout: float | None = None,
     echo: Callable[[str], None] | None = None,
+    interface: str | None = None,
 ) -> Job:
     """Submit a job of `hosts` nodes, one agent each; wait (with no limit unless `timeout`) until every agent
-    is up, saying what the queue does meanwhile; Ctrl-C cancels the request."""
+    is up, saying what the queue does meanwhile; Ctrl-C cancels the request. `interface`: the network
+    interface every agent listens on and gives its workers' gloo/NCCL (default: each host's first one up
+    that is not loopback)."""
     echo = echo or (lambda line: print(line, file=sys.stderr, flush=True))
     if not isinstance(hosts, int) or hosts < 1:
         raise ValueError(f"hosts must be a positive integer, got {hosts!r}")
@@ -175,6 +178,7 @@ def reserve(
     jd = JobDir.named(name)
     meta = {
         "name": name, "hosts": hosts, "gpus_per_host": gpus_per_host, "partition": part, "time": time_limit,
+        "interface": interface,
         "workspace": os.path.abspath(workspace) if workspace else None, "python": sys.executable,
         "created": time.time(), "slurm_id": None,
     }  # fmt: skip
@@ -219,6 +223,8 @@ def _script(jd: JobDir, meta: dict, gpus: int) -> str:
     agent = [sys.executable, "-m", "monarch.runtime.agent", "--job-dir", str(jd.path)]
     if meta["workspace"]:
         agent += ["--workspace", "auto"]
+    if meta.get("interface"):
+        agent += ["--interface", meta["interface"]]
     lines.append(f"exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 {' '.join(q(a) for a in agent)}")
     return "\n".join(lines) + "\n"
 

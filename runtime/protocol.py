@@ -424,6 +424,10 @@ RELEASE = 1
 """Control request: if you wait in a collective (this call failed on another rank), be released from it."""
 REPORT = 2
 """Control request: say what you are doing (`Busy`)."""
+DISCONNECT = 3
+"""Control request: this call failed on you (or ended here) while others wait in a collective: shut your
+process groups' connections, so that peers on other hosts waiting on you are released too. Its call id
+field holds the groups' generation it is for (a late request must not break re-formed groups)."""
 
 
 # -- starting a worker ------------------------------------------------------------------------------

@@ -211,3 +211,29 @@ def test_a_host_whose_agent_dies_is_named_and_other_meshes_keep_working(tmp_path
     finally:
         local.exit()
         j.stop()
+
+
+@monarch.remote
+def fails_on_rank_1_before_all_reduce():
+    import torch.distributed as dist
+
+    t = torch.ones(2)
+    if dist.get_rank() == 1:
+        raise ValueError("bad input shape on rank 1")
+    dist.all_reduce(t)
+    return t.sum().item()
+
+
+def test_one_rank_failing_before_a_collective_releases_the_ranks_on_other_hosts_too(mesh):
+    """Rank 1 (host 0) raises; ranks 0 (host 0) and 2-3 (host 1) wait in all_reduce: all are released."""
+    pids = worker_pids(mesh)
+    for _ in range(3):  # (and again, on the groups re-formed after the last one)
+        t0 = time.monotonic()
+        with pytest.raises(monarch.RemoteError) as e:
+            fails_on_rank_1_before_all_reduce.on(mesh)()
+        took = time.monotonic() - t0
+        text = str(e.value)
+        assert "bad input shape on rank 1" in text
+        assert "ranks 0, 2-3 were released from all_reduce" in text, text
+        assert took < 20, took  # (the group timeout is 600 s; benchmarks/faults.py has the real figure)
+        assert list(where.on(mesh)()) == [6.0] * 4 and worker_pids(mesh) == pids  # the groups re-formed

@@ -56,7 +56,7 @@ def workspace(tmp_path_factory):
 @pytest.fixture(scope="module")
 def job(cluster, workspace):
     cmd = [sys.executable, "-m", "monarch.notebook", "reserve", "--hosts", "2", "--gpus-per-host", "2",
-           "--name", "scale", "--workspace", str(workspace)]  # fmt: skip
+           "--name", "scale", "--workspace", str(workspace), "--interface", "eth0"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr + cluster.log_tail()
     assert "monarch: job scale is up: 2 hosts (node1, node2)" in out.stderr, out.stderr
@@ -70,13 +70,15 @@ def job(cluster, workspace):
 
 
 @monarch.remote
-def whereabouts(group=None):
+def whereabouts(group=None, fail_rank=None):
     import socket
 
     import torch.distributed as dist
 
     from monarch.runtime.agent.main import interface_addr
 
+    if dist.get_rank() == fail_rank:
+        raise ValueError(f"rank {fail_rank} fails")
     t = torch.ones(1) * dist.get_rank()
     dist.all_reduce(t, group=group)
     return socket.gethostname(), interface_addr("eth0"), t.item()
@@ -101,6 +103,10 @@ def test_a_reserved_job_runs_live_functions_collectives_and_tensors_across_hosts
             x = torch.arange(3.0)
         moved = x.to_mesh(mesh.slice(host=1))
         assert torch.equal(monarch.inspect(moved, gpu=1), torch.arange(3.0))
+        # rank 1 (node1) fails before all_reduce: the ranks waiting on node1 and node2 are released
+        with pytest.raises(monarch.RemoteError, match=r"(?s)rank 1 fails.*ranks 0, 2-3 were released from all_reduce"):
+            whereabouts.on(mesh)(fail_rank=1)
+        assert {s for *_, s in whereabouts.on(mesh)()} == {6.0}  # the groups re-formed
     finally:
         pids = worker_pids(mesh)
         mesh.exit()
@@ -190,6 +196,9 @@ def test_bad_requests_name_what_is_wrong(cluster):
         monarch.notebook.reserve(1, partition="gpus")
     with pytest.raises(ValueError, match=r"no job named 'nope' \(jobs: "):
         monarch.notebook.job("nope")
+    with pytest.raises(slurm.SlurmError, match=r"(?s)before its agents were up.*no network interface .*'nope0'"):
+        monarch.notebook.reserve(1, name="badif", interface="nope0")
+    assert "badif" not in [j["name"] for j in monarch.notebook.list_jobs()]
     out = subprocess.run(
         [sys.executable, "-m", "monarch.notebook", "reserve", "--hosts", "1"],
         capture_output=True, text=True, timeout=60, env=dict(os.environ, PATH="/nonexistent"),

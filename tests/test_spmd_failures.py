@@ -178,9 +178,12 @@ def whoami():
 
 
 @monarch.remote
-def stubborn(seconds):
+def stubborn(seconds, started=None):
+    import pathlib
     import time
 
+    if started:  # (say it runs, for a test that interrupts it then)
+        pathlib.Path(started, str(dist.get_rank())).touch()
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         try:
@@ -190,18 +193,25 @@ def stubborn(seconds):
                 raise
 
 
-def test_a_live_function_behind_an_interrupted_call_that_still_runs_says_so_at_once():
+def test_a_live_function_behind_an_interrupted_call_that_still_runs_says_so_at_once(tmp_path):
     """Ctrl-C on a call whose rank 1 ignores it: the next call does not wait silently behind it."""
     import os
     import signal
     import threading
+    import time
+
+    def ctrl_c_once_both_run():
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)
 
     mesh = this_host().spawn_procs({"gpu": 2})
     pids = worker_pids(mesh)
     try:
-        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        threading.Thread(target=ctrl_c_once_both_run, daemon=True).start()
         with pytest.raises(KeyboardInterrupt) as e:
-            stubborn.on(mesh)(60)
+            stubborn.on(mesh)(60, str(tmp_path))
         assert "stubborn interrupted; rank 1 did not stop within the grace period" in str(e.value), str(e.value)
         with pytest.raises(monarch.MeshBusyError) as busy:
             plain_sum.on(mesh)(1.0)

@@ -64,7 +64,12 @@ class Backend(ABC):
     @abstractmethod
     def control(self, mesh_id: int, ranks: tuple[int, ...], call_id: int, kind: int) -> None:
         """Ask `ranks`, whatever their main thread is doing, to act on call `call_id`: `protocol.RELEASE`
-        (leave a collective the call waits in) or `protocol.REPORT` (say what you are doing)."""
+        (leave a collective the call waits in), `protocol.REPORT` (say what you are doing) or
+        `protocol.DISCONNECT` (shut your groups' connections; `call_id` holds the groups' generation)."""
+
+    def spans_hosts(self, mesh_id: int) -> bool:
+        """Whether the mesh's workers are on more than one host (a release must then reach them all)."""
+        return False
 
     @abstractmethod
     def stop(self, mesh_id: int, graceful: bool) -> dict[int, int | None]:

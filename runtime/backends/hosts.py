@@ -387,6 +387,10 @@ class HostsBackend(Backend):
         for i, rs in self._by_host(mesh_id, ranks).items():
             self._send(i, protocol.SignalWorkers(mesh_id, rs, call_id, 0))
 
+    def spans_hosts(self, mesh_id: int) -> bool:
+        mesh = self.meshes.get(mesh_id)
+        return mesh is not None and len(mesh.hosts) > 1
+
     def control(self, mesh_id: int, ranks: tuple[int, ...], call_id: int, kind: int) -> None:
         for i, rs in self._by_host(mesh_id, ranks).items():
             self._send(i, protocol.SignalWorkers(mesh_id, rs, call_id, kind))

@@ -192,6 +192,13 @@ class Controller:
         busy = tuple(r for r in pending.ranks if r not in pending.replies and r not in pending.released)
         if busy:
             pending.mesh.backend.control(pending.mesh.mesh_id, busy, pending.call_id, protocol.RELEASE)
+            # Across hosts a link between two workers is shut by one of its ends only (the one that accepted
+            # it, or a sibling's on the same host): the ranks that already answered must shut theirs too.
+            mesh = pending.mesh
+            answered = tuple(r for r in pending.ranks if r in pending.replies)
+            if answered and not pending.disconnected and mesh.backend.spans_hosts(mesh.mesh_id):
+                pending.disconnected = True
+                mesh.backend.control(mesh.mesh_id, answered, mesh.generation, protocol.DISCONNECT)
         self._release_later(pending, RELEASE_AGAIN)
 
     def call_done(self, pending: PendingCall) -> None:

@@ -75,6 +75,8 @@ class PendingCall:
     """Some rank answered with an error while others still ran (their release is being checked)."""
     released: dict[int, Any] = field(default_factory=dict)
     """Rank -> `protocol.Released`: ranks taken out of a collective the failed rank never reached."""
+    disconnected: bool = False
+    """The ranks that had answered were asked to shut their groups' connections (`protocol.DISCONNECT`)."""
     busy: dict[int, Any] = field(default_factory=dict)
     """Rank -> its latest `protocol.Busy` report."""
     early_errors: list[tuple[Any, str]] = field(default_factory=list)

@@ -7,7 +7,8 @@ and looks at what the main thread is doing:
 
 - RELEASE: if it waits in a torch.distributed collective, shut this worker's connections to the other
   workers down, so that the collective raises here and on its peers; report `Released`;
-- REPORT (or RELEASE while not in a collective): report `Busy` with the user's line it is at.
+- REPORT (or RELEASE while not in a collective): report `Busy` with the user's line it is at;
+- DISCONNECT (this rank answered a call others still wait in): shut its groups' connections, silently.
 
 A rank whose peer was released first sees its collective fail (the connections shut) perhaps before its
 own control thread has run: the main thread then claims the release itself (`claim_release`).
@@ -63,6 +64,10 @@ class Control:
         from monarch.runtime.worker import groups
 
         w = self.worker
+        if kind == protocol.DISCONNECT:  # (its "call id" is the groups' generation the request is for)
+            if groups.current is not None:
+                groups.current.release_generation(call_id)
+            return
         if call_id and w.call_id != call_id:
             return  # that call is over here (the request crossed its reply)
         collective, where = describe(sys._current_frames().get(self.main))

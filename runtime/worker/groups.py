@@ -40,6 +40,9 @@ class Groups:
         """Group id -> its rank partition, in the order made (re-formed in that order)."""
         self.broken = False
         """Torn down to release this worker from a collective: re-formed on the controller's word."""
+        self.generation = 0
+        """How many times the controller had the groups re-formed (`reform`)."""
+        self._reforming = threading.Lock()
         self._init(0)
         shared.resolver = self.resolve
 
@@ -164,7 +167,7 @@ class Groups:
                     dist.distributed_c10d._abort_process_group(group)
             except Exception:
                 pass
-        for fd in sibling_sockets():
+        for fd in peer_sockets():
             try:
                 s = socket.socket(fileno=os.dup(fd))
                 try:
@@ -174,14 +177,27 @@ class Groups:
             except OSError:
                 pass
 
+    def release_generation(self, generation: int) -> None:
+        """`release`, if the groups are still those of `generation` (a request that arrives after they were
+        re-formed is for groups gone: it must not break the new ones)."""
+        if not self._reforming.acquire(timeout=1.0):
+            return  # (re-forming now: the request is stale)
+        try:
+            if self.generation == generation and not self.broken:
+                self.release()
+        finally:
+            self._reforming.release()
+
     def reform(self, generation: int) -> None:
         """Make the mesh's groups again, after `release` here or on another worker (collectively: every
         worker calls this, in the same order). Groups user code made are not remade."""
-        self.destroy()
-        self._init(generation)
-        for gid, partition in list(self.partitions.items()):
-            self.create(gid, partition)
-        self.broken = False
+        with self._reforming:
+            self.destroy()
+            self._init(generation)
+            for gid, partition in list(self.partitions.items()):
+                self.create(gid, partition)
+            self.generation = generation
+            self.broken = False
 
     def destroy(self) -> None:
         """Tear the groups down, waiting at most 5 s (a communicator stuck on a dead peer may never let go)."""
@@ -216,8 +232,8 @@ def _socket_inodes(pid: int | str) -> dict[str, int]:
     return out
 
 
-def _tcp_table() -> dict[str, tuple[str, str]]:
-    """Established TCP connections on this machine: inode -> (local address, remote address)."""
+def _tcp_table(state: str = "01") -> dict[str, tuple[str, str]]:
+    """TCP sockets on this machine in `state` (01 ESTABLISHED, 0A LISTEN): inode -> (local, remote address)."""
     out = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -227,15 +243,18 @@ def _tcp_table() -> dict[str, tuple[str, str]]:
             continue
         for row in rows:
             cols = row.split()
-            if len(cols) > 9 and cols[3] == "01":  # ESTABLISHED
+            if len(cols) > 9 and cols[3] == state:
                 out[cols[9]] = (cols[1], cols[2])
     return out
 
 
-def sibling_sockets() -> list[int]:
-    """This worker's file descriptors of TCP connections whose other end belongs to a sibling (another
-    worker forked by the same parent): the connections of its process groups and links, never a user's
-    connection elsewhere."""
+def peer_sockets() -> list[int]:
+    """This worker's file descriptors of its process groups' and links' TCP connections: those whose other
+    end belongs to a sibling (another worker forked by the same parent, on this host), and those accepted by
+    its own listeners bound to one address (gloo's; workers on other hosts connected to them). A rank on
+    another host whose connection to this one was accepted there is shut by that rank (every rank of the
+    call is asked: `protocol.DISCONNECT`). A user's connections elsewhere and a server on all interfaces
+    are left alone."""
     parent, me = os.getppid(), os.getpid()
     siblings = []
     for name in os.listdir("/proc"):
@@ -251,9 +270,12 @@ def sibling_sockets() -> list[int]:
         theirs.update(_socket_inodes(pid))
     table = _tcp_table()
     by_ends = {ends: inode for inode, ends in table.items()}
+    mine = _socket_inodes(me)
+    listening = {local for inode, (local, _) in _tcp_table("0A").items() if inode in mine}
+    listening = {local for local in listening if local.split(":")[0].strip("0")}  # (not 0.0.0.0 nor ::)
     out = []
-    for inode, fd in _socket_inodes(me).items():
+    for inode, fd in mine.items():
         ends = table.get(inode)
-        if ends is not None and by_ends.get((ends[1], ends[0])) in theirs:
+        if ends is not None and (by_ends.get((ends[1], ends[0])) in theirs or ends[0] in listening):
             out.append(fd)
     return out
