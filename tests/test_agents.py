@@ -237,3 +237,39 @@ def test_one_rank_failing_before_a_collective_releases_the_ranks_on_other_hosts_
         assert "ranks 0, 2-3 were released from all_reduce" in text, text
         assert took < 20, took  # (the group timeout is 600 s; benchmarks/faults.py has the real figure)
         assert list(where.on(mesh)()) == [6.0] * 4 and worker_pids(mesh) == pids  # the groups re-formed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_agents_workers_own_its_gpus_and_reduce_over_nccl(tmp_path):
+    """One agent on a GPU machine: it counts the GPUs without importing torch itself, each worker owns
+    `cuda:<local rank>`, and a CUDA tensor's all_reduce runs over NCCL, released like gloo's on a failure."""
+    n = torch.cuda.device_count()
+    j = AgentJob(tmp_path, "gpus", hosts=1)
+    j.start()
+    mesh = None
+    try:
+        mesh = monarch.notebook.job("gpus").spawn_procs({"gpu": n})
+        assert mesh._spawned.backend.hosts[0].info.gpus == n
+
+        @monarch.remote
+        def nccl_sum(fail_rank=None):
+            import torch.distributed as dist
+
+            if dist.get_rank() == fail_rank:
+                raise ValueError("fails")
+            t = torch.ones(4, device="cuda") * dist.get_rank()
+            dist.all_reduce(t)
+            return str(t.device), t[0].item(), dist.get_backend()
+
+        res = list(nccl_sum.on(mesh)())
+        assert [d for d, _, _ in res] == [f"cuda:{i}" for i in range(n)]
+        assert {s for _, s, _ in res} == {float(sum(range(n)))} and all("cuda:nccl" in b for *_, b in res)
+        if n > 1:
+            with pytest.raises(monarch.RemoteError, match="were released from all_reduce"):
+                nccl_sum.on(mesh)(fail_rank=1)
+            assert {s for _, s, _ in nccl_sum.on(mesh)()} == {float(sum(range(n)))}
+    finally:
+        if mesh is not None:
+            mesh.exit()
+        assert j.stop() == []
