@@ -208,6 +208,32 @@ def test_bad_requests_name_what_is_wrong(cluster):
     )
 
 
+def test_ctrl_c_while_reserve_waits_cancels_the_request(cluster):
+    import signal
+
+    before = {h: set(cluster.pids_in(h)) for h in range(2)}
+    cmd = [sys.executable, "-m", "monarch.notebook", "reserve", "--hosts", "2", "--name", "ctrlc"]
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    first = p.stderr.readline()  # the queue's state, said while it waits
+    assert re.match(r"monarch: job ctrlc \(Slurm (\d+)\) is (pending|running)", first), first
+    slurm_id = re.search(r"Slurm (\d+)", first).group(1)
+    p.send_signal(signal.SIGINT)
+    rest = p.communicate(timeout=30)[1]
+    assert p.returncode == 130 and "monarch: the request was cancelled" in rest, (p.returncode, rest)
+    assert "ctrlc" not in [j["name"] for j in monarch.notebook.list_jobs()]
+    deadline = time.monotonic() + 20
+    while not slurm.state(slurm_id).terminal and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert slurm.state(slurm_id).terminal  # scancel'ed
+
+    def new_ones() -> list[int]:
+        return [p for h in range(2) for p in cluster.pids_in(h) if p not in before[h]]
+
+    while not _only_slurmd(new_ones()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _only_slurmd(new_ones())  # no agent left behind
+
+
 def test_a_job_that_slurm_ends_is_reported_and_cleanup_leaves_nothing(cluster, tmp_path):
     job = monarch.notebook.reserve(2, name="ended")
     mesh = job.spawn_procs({"gpu": 1})
