@@ -1,4 +1,4 @@
-"""`%%mesh` (run a cell on every worker of a mesh) and `%mesh` (status, shutdown, restart, pull, push).
+"""`%%mesh` (run a cell on every worker of a mesh) and `%mesh` (status, stacks, shutdown, restart, pull, push).
 
     %%mesh gpu=8                      start (or reuse) a local mesh of 8 workers; run the cell on each
     %%mesh host=2 gpu=4               a two-dimensional mesh
@@ -32,7 +32,7 @@ _DIM = re.compile(r"^([A-Za-z_]\w*)=(.+)$")
 _NAME = re.compile(r"^[A-Za-z_][\w.]*$")
 _USAGE = "usage: %%mesh [DIM=SIZE ... | MESH_VARIABLE] [--on DIM=INDEX|START:STOP ...] [--noblock] [--group rank|arrival] [--save NAME] [--replace]"
 _LINE_USAGE = (
-    "usage: %mesh [status | shutdown [--all] | restart | pull NAME ... | push NAME ...] [--mesh MESH_VARIABLE]"
+    "usage: %mesh [status | stacks | shutdown [--all] | restart | pull NAME ... | push NAME ...] [--mesh MESH_VARIABLE]"
 )
 
 
@@ -165,12 +165,15 @@ class MeshMagics(Magics):
                 what = ", ".join(f"{m.shape.describe()} ({_workers(m.size)})" for m in stopped)
                 print(f"monarch: stopped {len(stopped)} mesh{'es' if len(stopped) > 1 else ''}: {what}")
             return None
-        if cmd not in ("status", "shutdown", "restart", "pull", "push"):
+        if cmd not in ("status", "stacks", "shutdown", "restart", "pull", "push"):
             raise UsageError(f"%mesh: unknown command {cmd!r}\n" + _LINE_USAGE)
         if view is None:
             raise UsageError(f"%mesh {cmd}: no mesh yet; run a %%mesh cell first (e.g. %%mesh gpu=4)")
         if cmd == "status":
             return view.to_table(ask=0.3)  # busy ranks say where they are
+        if cmd == "stacks":
+            print(view.stacks())
+            return None
         if cmd == "shutdown":
             if view.state in ("stopped", "failed"):
                 print(f"monarch: mesh {_stopped(view)} was already {view.state}; nothing to stop")

@@ -39,6 +39,12 @@ class Settings:
     reported lost and its mesh fails."""
     exit_grace: float = 3.0
     """[MONARCH_EXIT_GRACE] Seconds workers get to exit after `mesh.exit()` before they are killed."""
+    hang_report: float = 30.0
+    """[MONARCH_HANG_REPORT] Seconds a call may run while some of its ranks wait in a collective before the
+    call's output says which ranks wait where and which rank they wait for (once per call). 0 turns it off."""
+    stack_report: float = 0.0
+    """[CONTROLLER_PYSPY_REPORT_INTERVAL] Every this many seconds, write the stacks of the controller and of
+    every worker to the controller's stderr (a kernel's: the Jupyter server's log). 0 (the default): never."""
 
 
 _ENV = {
@@ -51,6 +57,8 @@ _ENV = {
     "send_stall": "MONARCH_SEND_STALL",
     "frozen_after": "MONARCH_FROZEN_AFTER",
     "exit_grace": "MONARCH_EXIT_GRACE",
+    "hang_report": "MONARCH_HANG_REPORT",
+    "stack_report": "CONTROLLER_PYSPY_REPORT_INTERVAL",
 }
 
 

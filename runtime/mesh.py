@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from monarch.runtime import protocol
 from monarch.runtime.groups import WORLD, ProcessGroupRef
 from monarch.runtime.shape import Shape, format_ranks
+from monarch.runtime.stacks import StackReport, thread_stacks
 
 _active: contextvars.ContextVar[ProcMesh | None] = contextvars.ContextVar("monarch_active_mesh", default=None)
 
@@ -228,6 +229,16 @@ class ProcMesh:
         lines += ["  " + line for b in busy for line in b.describe().splitlines()]
         lines.append(remedy)
         raise MeshBusyError("\n".join(lines))
+
+    def stacks(self, wait: float = 1.0) -> StackReport:
+        """Where everyone is: each thread's Python stack on the controller and on this view's workers,
+        identical stacks grouped with their ranks (print it). Each worker's control thread answers, so a
+        rank stuck in a collective or in C code shows where; one that cannot answer within `wait` seconds
+        (a thread holding the GIL) is named as such."""
+        sp = self._spawned
+        ranks = tuple(self._shape.ranks)
+        stacks = sp.controller.stacks(sp, ranks, wait) if sp.state == "running" else {}
+        return StackReport(thread_stacks(), stacks, {r: sp.labels[r] for r in ranks})
 
     def busy(self, ask: float = 0.0, interrupted_only: bool = False) -> list[BusyCall]:
         """The calls still running on this view's workers, with which ranks run them and for how long.

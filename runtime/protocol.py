@@ -424,6 +424,8 @@ RELEASE = 1
 """Control request: if you wait in a collective (this call failed on another rank), be released from it."""
 REPORT = 2
 """Control request: say what you are doing (`Busy`)."""
+STACKS = 4
+"""Control request: send your threads' stacks (`Stacks`); its call id field holds the request's number."""
 DISCONNECT = 3
 """Control request: this call failed on you (or ended here) while others wait in a collective: shut your
 process groups' connections, so that peers on other hosts waiting on you are released too. Its call id
@@ -569,3 +571,14 @@ class Synced:
     """Agent -> controller: the workspace copy matches the offer; `changed` were written or removed."""
 
     changed: list
+
+
+@message
+class Stacks:
+    """Worker -> controller: its threads' stacks (asked for with `STACKS`), main thread first; an empty
+    main-thread stack means it is idle."""
+
+    token: int
+    """The request's number (in the control request's call id field)."""
+    threads: list
+    """(thread name, [(where, source line), ...] outermost first) per thread."""

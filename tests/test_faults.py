@@ -309,8 +309,12 @@ def test_ctrl_c_on_a_call_queued_behind_another_threads_call_leaves_that_call_al
     pids = worker_pids(mesh)
     marker = tmp_path / "ran"
 
+    started = tmp_path / "started"
+    started.mkdir()
+
     @monarch.remote
     def slow():
+        open(os.path.join(str(started), str(os.getpid())), "a").close()
         time.sleep(1.5)
         return "slow done"
 
@@ -323,7 +327,9 @@ def test_ctrl_c_on_a_call_queued_behind_another_threads_call_leaves_that_call_al
         results = []
         other = threading.Thread(target=lambda: results.append(list(slow.on(mesh)())))
         other.start()
-        time.sleep(0.3)  # slow is running on both workers
+        deadline = time.monotonic() + 30
+        while len(list(started.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)  # until slow runs on both workers
         threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
         with pytest.raises(KeyboardInterrupt, match="ranks 0-1 are busy with an earlier call and will skip this one"):
             touch.on(mesh)(str(marker))

@@ -25,7 +25,7 @@ from monarch.runtime.controller.receiving import Receiver
 from monarch.runtime.controller.state import PendingCall, SpawnedMesh
 from monarch.runtime.controller.stdin import StdinService
 from monarch.runtime.errors import WorkerDiedError
-from monarch.runtime.shape import Shape
+from monarch.runtime.shape import Shape, format_ranks
 
 RELEASE_FIRST = 0.2
 """Seconds after a rank fails (while others still run the call) before the others are asked to leave a
@@ -55,6 +55,12 @@ class Controller:
         self.jobs: dict[str, Any] = {}
         """Job name -> the backend of its host agents, once attached."""
         self.receiver = Receiver(self)
+        self.stack_replies: dict[int, dict] = {}
+        """Request number -> {rank: its threads' stacks}, while `stacks` waits for them."""
+        self._stack_tokens = itertools.count(1)
+        self._watchdog: threading.Thread | None = None
+        if self.settings.stack_report:
+            threading.Thread(target=self._report_stacks, name="monarch-stack-report", daemon=True).start()
         atexit.register(self.shutdown)
 
     # -- meshes ------------------------------------------------------------------------------------
@@ -149,6 +155,9 @@ class Controller:
             self.send(mesh, ranks, message, body)
         if self.listeners:
             self.changed(mesh)
+        if self._watchdog is None and self.settings.hang_report:
+            self._watchdog = threading.Thread(target=self._watch_hangs, name="monarch-hang-watch", daemon=True)
+            self._watchdog.start()
         return pending
 
     def wait(self, pending: PendingCall, timeout: float | None = None) -> dict:
@@ -221,6 +230,98 @@ class Controller:
         while time.monotonic() < deadline and any(r not in p.busy for p, ranks in running for r in ranks):
             time.sleep(0.01)
         return running
+
+    # -- where ranks are ----------------------------------------------------------------------------
+    def stacks(self, mesh: SpawnedMesh, ranks: tuple[int, ...], wait: float = 1.0) -> dict[int, list | None]:
+        """{rank: its threads' stacks (`stacks.thread_stacks`), or None if it did not answer within `wait`}.
+        Each worker's control thread answers, whatever its main thread is doing."""
+        token = next(self._stack_tokens)
+        got = self.stack_replies[token] = {}
+        try:
+            if mesh.state == "running":
+                mesh.backend.control(mesh.mesh_id, ranks, token, protocol.STACKS)
+                deadline = time.monotonic() + wait
+                while len(got) < len(ranks) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            return {r: got.get(r) for r in ranks}
+        finally:
+            self.stack_replies.pop(token, None)
+
+    def _report_stacks(self) -> None:
+        """`CONTROLLER_PYSPY_REPORT_INTERVAL`: every so often, everyone's stacks on the real stderr."""
+        while not self._closed:
+            time.sleep(self.settings.stack_report)
+            try:
+                self._print_stacks()
+            except Exception:  # (a report is never worth the thread)
+                traceback.print_exc(file=sys.__stderr__)
+
+    def _print_stacks(self) -> None:
+        from monarch.runtime.stacks import StackReport, thread_stacks
+
+        for mesh in list(self.meshes.values()):
+            if mesh.state == "running":
+                report = StackReport(thread_stacks(), self.stacks(mesh, tuple(range(mesh.size))),
+                                     dict(enumerate(mesh.labels)))  # fmt: skip
+                stamp = time.strftime("%H:%M:%S")
+                print(
+                    f"monarch: stacks of mesh {mesh.shape.describe()}, {stamp}\n{report}",
+                    file=sys.__stderr__,
+                    flush=True,
+                )
+
+    def _watch_hangs(self) -> None:
+        """Calls that have run `hang_report` seconds while ranks of theirs wait in a collective: say once,
+        where the call's output goes, which ranks wait where and for whom."""
+        limit = self.settings.hang_report
+        while not self._closed:
+            time.sleep(min(1.0, limit / 4))
+            now = time.monotonic()
+            for pending in list(self.calls.values()):
+                if not pending.hang_reported and now - pending.started >= limit and not pending.future.done():
+                    try:
+                        self._report_hang(pending, now - pending.started)
+                    except Exception:
+                        traceback.print_exc(file=sys.__stderr__)
+
+    def _report_hang(self, pending: PendingCall, seconds: float) -> None:
+        mesh = pending.mesh
+        busy = [r for r in pending.ranks if r not in pending.replies]
+        if not busy or mesh.state != "running":
+            return
+        mesh.backend.control(mesh.mesh_id, tuple(busy), pending.call_id, protocol.REPORT)
+        deadline = time.monotonic() + 0.5
+        while any(r not in pending.busy for r in busy) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        said = {r: pending.busy[r] for r in busy if r in pending.busy}
+        waiting = {r: b for r, b in said.items() if b.collective}
+        if not waiting:
+            return  # (nobody waits in a collective: nothing to explain yet; asked again next time)
+        pending.hang_reported = True
+        places: dict[tuple[str, str], list[int]] = {}
+        for r, b in waiting.items():
+            places.setdefault((b.collective, b.where), []).append(r)
+        lines = [f"monarch: {pending.name or 'this call'} has run {seconds:.0f} s;"]
+        for (collective, at), ranks in places.items():
+            lines.append(f"  {_ranks(ranks)} wait in {collective} at {at}")
+        elsewhere = [r for r in said if r not in waiting]
+        done = [r for r in pending.ranks if r in pending.replies]
+        for r in elsewhere:
+            lines.append(f"  rank {r} ({mesh.labels[r]}) is at {said[r].where}, in no collective")
+        if elsewhere:
+            lag = _ranks(elsewhere)
+            lines.append(
+                f"  {lag} lag{'s' if len(elsewhere) == 1 else ''}: the others wait for {'it' if len(elsewhere) == 1 else 'them'}"
+            )
+        elif done:
+            lines.append(f"  {_ranks(done)} already finished this call: a collective they skipped waits for them")
+        elif len(places) > 1:
+            lines.append("  the ranks wait in different collectives or places: mismatched collectives")
+        mute = [r for r in busy if r not in said]
+        if mute:
+            lines.append(f"  {_ranks(mute)} did not say where they are")
+        lines.append("  (Interrupt the kernel or press Ctrl-C to stop it; mesh.stacks() shows every stack.)")
+        self.receiver.notice(pending, (elsewhere or sorted(waiting))[0], "\n".join(lines) + "\n")
 
     def busy_ranks(self, mesh: SpawnedMesh) -> set[int]:
         """Ranks of `mesh` with a call in flight."""
@@ -308,3 +409,7 @@ class Controller:
     def closed(self) -> bool:
         """Shut down: a new controller is made on next use."""
         return self._closed
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"

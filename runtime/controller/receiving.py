@@ -27,6 +27,10 @@ from monarch.runtime.controller.stdin import InputRequest
 RX_HANDBACK = 0.01
 """Seconds after a waiting caller returns before the background thread receives again (output that
 arrives between calls, e.g. from a non-blocking call, is delayed at most this long)."""
+RX_LOOK_AGAIN = 0.05
+"""Seconds the background thread sleeps on the socket's notification fd before it looks anyway: that fd
+is edge-triggered and shared with callers that receive for themselves, whose waits can consume an edge
+meant for it (seen: an interrupted call's replies, and every reply after them, left unread)."""
 
 
 class Receiver:
@@ -48,6 +52,7 @@ class Receiver:
             protocol.AskInput: self._on_input,
             protocol.Released: self._on_released,
             protocol.Busy: self._on_busy,
+            protocol.Stacks: self._on_stacks,
         }
         self._closed = False
         self._wake_r, self._wake_w = os.pipe()
@@ -165,7 +170,7 @@ class Receiver:
                     watching = mine
                 # Not receiving: a caller in wait() is. It does not wake us when it returns (that would
                 # cost a wake-up per call); we look again after RX_HANDBACK instead.
-                for fd, _ in poller.poll(None if mine else RX_HANDBACK * 1000):
+                for fd, _ in poller.poll((RX_LOOK_AGAIN if mine else RX_HANDBACK) * 1000):
                     if fd == self._wake_r:
                         os.read(self._wake_r, 4096)
             except Exception:
@@ -238,6 +243,20 @@ class Receiver:
         for pending in list(self.controller.calls.values()):
             if pending.call_id == env.message.call_id and pending.mesh.mesh_id == env.mesh_id:
                 pending.busy[env.rank] = env.message
+
+    def _on_stacks(self, env: Any) -> None:
+        got = self.controller.stack_replies.get(env.message.token)
+        if got is not None:
+            got[env.rank] = env.message.threads
+
+    def notice(self, pending: Any, rank: int, text: str) -> None:
+        """Show a line of the runtime's about `pending` where its output goes, in `rank`'s place."""
+        mesh = pending.mesh
+        event = OutputEvent(pending.call_id, mesh.mesh_id, rank, mesh.labels[rank], "stderr", text, None, None)
+        try:
+            (pending.output or self.controller.output)(event)
+        except Exception:
+            traceback.print_exc(file=sys.__stderr__)
 
     def _event(self, env: Any, stream: str, text: str, data=None, metadata=None) -> None:
         c = self.controller

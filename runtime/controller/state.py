@@ -75,6 +75,8 @@ class PendingCall:
     """Some rank answered with an error while others still ran (their release is being checked)."""
     released: dict[int, Any] = field(default_factory=dict)
     """Rank -> `protocol.Released`: ranks taken out of a collective the failed rank never reached."""
+    hang_reported: bool = False
+    """Its ranks waiting in a collective were reported (`MONARCH_HANG_REPORT`)."""
     disconnected: bool = False
     """The ranks that had answered were asked to shut their groups' connections (`protocol.DISCONNECT`)."""
     busy: dict[int, Any] = field(default_factory=dict)

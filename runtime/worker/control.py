@@ -8,7 +8,8 @@ and looks at what the main thread is doing:
 - RELEASE: if it waits in a torch.distributed collective, shut this worker's connections to the other
   workers down, so that the collective raises here and on its peers; report `Released`;
 - REPORT (or RELEASE while not in a collective): report `Busy` with the user's line it is at;
-- DISCONNECT (this rank answered a call others still wait in): shut its groups' connections, silently.
+- DISCONNECT (this rank answered a call others still wait in): shut its groups' connections, silently;
+- STACKS: send every thread's stack (`Stacks`), for `mesh.stacks()`.
 
 A rank whose peer was released first sees its collective fail (the connections shut) perhaps before its
 own control thread has run: the main thread then claims the release itself (`claim_release`).
@@ -27,6 +28,7 @@ from types import CodeType, FrameType, TracebackType
 from typing import Any
 
 from monarch.runtime import protocol
+from monarch.runtime.stacks import thread_stacks, where
 
 _REQUEST = struct.Struct("<qqq")
 _RUNTIME = os.path.dirname(os.path.dirname(__file__))
@@ -64,6 +66,15 @@ class Control:
         from monarch.runtime.worker import groups
 
         w = self.worker
+        if kind == protocol.STACKS:  # (its "call id" is the request's number)
+            threads = thread_stacks(skip=threading.get_ident())
+            if threads and threads[0][0] == "MainThread":
+                if w.call_id is None:
+                    threads[0] = ("MainThread", [])  # idle: waiting for the controller
+                elif not threads[0][1]:
+                    threads[0] = ("MainThread", [("in monarch's runtime, starting or ending a call", "")])
+            w.send(protocol.Stacks(call_id, threads))
+            return
         if kind == protocol.DISCONNECT:  # (its "call id" is the groups' generation the request is for)
             if groups.current is not None:
                 groups.current.release_generation(call_id)
@@ -166,12 +177,3 @@ def _describe(frames: list[tuple[CodeType, int]]) -> tuple[str, str]:
             continue
         return collective, where(filename, line, code.co_name)
     return collective, "?"
-
-
-def where(filename: str, line: int, func: str) -> str:
-    """A line as a notebook user reads it: `Cell In[5], line 4` for a %%mesh cell."""
-    if filename.startswith("<mesh cell "):
-        return f"Cell In[{filename[len('<mesh cell ') : -1]}], line {line}" + (
-            "" if func == "<module>" else f" in {func}"
-        )
-    return f"{filename}:{line} in {func}"

@@ -1,0 +1,107 @@
+"""Where a process's threads are: their Python stacks as a user reads them (for `mesh.stacks()`, the
+controller's and every worker's, and for the hang report).
+
+A worker's control thread collects its stacks (`thread_stacks`) while the main thread is busy, even
+stuck in a collective's C code, where no signal handler of Python would run.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+
+from monarch.runtime.shape import format_ranks
+
+_RUNTIME = os.path.dirname(os.path.abspath(__file__))
+_THREADING = threading.__file__
+_PLUMBING = tuple(
+    f"{os.sep}{name}{os.sep}" for name in ("ipykernel", "IPython", "tornado", "asyncio", "zmq", "traitlets",
+                                           "jupyter_client", "concurrent", "multiprocessing")
+) + ("selectors.py", "runpy")  # fmt: skip
+"""Frames of the machinery around user code (the kernel's event loop, sockets): left out of stacks."""
+
+Frame = tuple[str, str]
+"""(where, source line): ``("Cell In[5], line 4", "dist.all_reduce(t)")``."""
+
+
+def where(filename: str, line: int, func: str) -> str:
+    """A line as a notebook user reads it: `Cell In[5], line 4` for a %%mesh cell."""
+    if filename.startswith("<mesh cell "):
+        return f"Cell In[{filename[len('<mesh cell ') : -1]}], line {line}" + (
+            "" if func == "<module>" else f" in {func}"
+        )
+    return f"{filename}:{line} in {func}"
+
+
+def thread_stacks(skip: int | None = None) -> list[tuple[str, list[Frame]]]:
+    """(thread name, frames outermost first) for each thread of this process but `skip` (a thread id), the
+    main thread first. The runtime's own frames and the kernel's machinery are left out: a thread left
+    with none is left out too, but for the main thread, whose empty stack means "idle"."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    out = []
+    for ident, frame in sorted(sys._current_frames().items(), key=lambda kv: kv[0] != main):
+        if ident == skip:
+            continue
+        frames = []
+        while frame is not None:
+            code = frame.f_code
+            name = code.co_filename
+            if not name.startswith(_RUNTIME) and name != _THREADING and not any(p in name for p in _PLUMBING):
+                frames.append(
+                    (where(name, frame.f_lineno, code.co_name), linecache.getline(name, frame.f_lineno).strip())
+                )  # fmt: skip
+            frame = frame.f_back
+        if frames and frames[-1][0] == "<string>:1 in <module>":  # (a process's bootstrap: python -c)
+            frames.pop()
+        if frames or ident == main:
+            out.append((names.get(ident, f"thread {ident}"), frames[::-1]))
+    return out
+
+
+@dataclass
+class StackReport:
+    """The stacks of a mesh's workers (and of the controller), as `mesh.stacks()` returns them; its text
+    groups identical stacks with their ranks."""
+
+    controller: list[tuple[str, list[Frame]]]
+    """The controller's threads (main first)."""
+    ranks: dict[int, list[tuple[str, list[Frame]]] | None]
+    """Rank -> its threads, or None where the rank did not answer in time."""
+    labels: dict[int, str] = field(default_factory=dict)
+    """Rank -> its coordinates, ``gpu=3``."""
+
+    def __str__(self) -> str:
+        lines = [f"controller (pid {os.getpid()}):"]
+        lines += _threads(self.controller)
+        groups: dict[tuple, list[int]] = {}
+        for rank, threads in sorted(self.ranks.items()):
+            key = tuple((name, tuple(frames)) for name, frames in threads) if threads is not None else None
+            groups.setdefault(key, []).append(rank)
+        for key, ranks in groups.items():
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+            if len(ranks) == 1 and ranks[0] in self.labels:
+                who += f" ({self.labels[ranks[0]]})"
+            if key is None:
+                lines.append(f"-- {who}: no answer (its control thread could not run: a thread holds the GIL?)")
+                continue
+            lines.append(f"-- {who}:")
+            lines += _threads([(name, list(frames)) for name, frames in key])
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _threads(threads: list[tuple[str, list[Frame]]]) -> list[str]:
+    out = []
+    for name, frames in threads:
+        if not frames:
+            out.append(f"  {name}: idle")
+            continue
+        out.append(f"  {name}:")
+        for at, source in frames:
+            out.append(f"    {at}" + (f"\n        {source}" if source else ""))
+    return out

@@ -1,0 +1,122 @@
+"""Where every rank is, without attaching to each process: `mesh.stacks()` / `%mesh stacks`, the report a
+call gets when ranks have waited in a collective past `MONARCH_HANG_REPORT`, and the periodic stack report
+of `CONTROLLER_PYSPY_REPORT_INTERVAL`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import monarch
+from monarch.actor import this_host
+
+from conftest import wait_gone, worker_pids
+from kernel_client import monarch_kernel
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@monarch.remote
+def rank_1_lags(seconds):
+    import time
+
+    if dist.get_rank() == 1:
+        time.sleep(seconds)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_stacks_show_ranks_stuck_in_all_reduce_grouped_and_the_one_asleep():
+    mesh = this_host().spawn_procs({"gpu": 4})
+    pids = worker_pids(mesh)
+    try:
+        idle = str(mesh.stacks())
+        assert "-- ranks 0-3:\n  MainThread: idle" in idle, idle
+        fut = rank_1_lags.on(mesh).call_async(60)
+        deadline = time.monotonic() + 30
+        text = ""
+
+        def settled(text: str) -> bool:  # (rank 1 asleep, the others in all_reduce: not still importing)
+            waiting, _, asleep = text.partition("-- ranks 0, 2-3:")[2].partition("-- rank 1 (gpu=1):")
+            return "dist.all_reduce(t)\n" in waiting and "time.sleep(seconds)" in asleep
+
+        while not settled(text) and time.monotonic() < deadline:
+            text = str(mesh.stacks())
+        assert text.startswith(f"controller (pid {os.getpid()}):\n  MainThread:\n"), text
+        waiting, asleep = text.split("-- ranks 0, 2-3:")[1].split("-- rank 1 (gpu=1):")
+        assert "in rank_1_lags\n        dist.all_reduce(t)" in waiting and "in all_reduce" in waiting, text
+        assert "in rank_1_lags\n        time.sleep(seconds)" in asleep, text
+        assert "multiprocessing" not in text and "monarch/runtime" not in text  # (the user's frames, and torch's)
+        # a view's stacks are its ranks'
+        assert "-- rank 1 (gpu=1):" in str(mesh.slice(gpu=1).stacks())
+    finally:
+        mesh.exit()
+    assert wait_gone(pids) == []
+    with pytest.raises(RuntimeError, match="was stopped during the call"):
+        fut.result(timeout=10)
+
+
+def test_the_notebook_says_which_ranks_wait_in_which_collective_and_who_lags(monkeypatch):
+    monkeypatch.setenv("MONARCH_HANG_REPORT", "2")
+    with monarch_kernel() as k:
+        assert k.run("%%mesh gpu=4\nimport time, torch, torch.distributed as dist").status == "ok"  # (imports done)
+        cell = "%%mesh\nt = torch.ones(1)\nif rank == 1:\n    time.sleep(6)\n"
+        cell += "dist.all_reduce(t)"
+        t0 = time.monotonic()
+        r = k.run(cell, timeout=60)
+        assert r.status == "ok", r.text()
+        took = time.monotonic() - t0
+        live = [it for it in r.custom_items() if it.get("s") == "stderr" and "monarch:" in it["t"]]
+        assert [it["r"] for it in live] == [1], live  # shown in the lagging rank's area, while it ran
+        said = live[0]["t"]
+        assert "monarch: %%mesh cell has run " in said, said
+        assert "ranks 0, 2-3 wait in all_reduce at Cell In[2], line 5" in said, said
+        assert "rank 1 (gpu=1) is at Cell In[2], line 4, in no collective" in said, said
+        assert "rank 1 lags: the others wait for it" in said, said
+        assert took < 30
+        r = k.run("%mesh stacks")
+        assert "-- ranks 0-3:\n  MainThread: idle" in r.text(), r.text()
+        pids = k.worker_pids()
+        k.km.shutdown_kernel(now=False)
+    assert wait_gone(pids, 10) == []
+
+
+def test_the_periodic_stack_report_goes_to_stderr(tmp_path):
+    script = tmp_path / "report.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import time
+            import monarch
+            from monarch.actor import this_host
+
+            @monarch.remote
+            def nap():
+                time.sleep(2.5)
+
+            mesh = this_host().spawn_procs({"gpu": 2})
+            nap.on(mesh)()
+            mesh.exit()
+            """
+        )
+    )
+    env = dict(os.environ, CONTROLLER_PYSPY_REPORT_INTERVAL="1")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "monarch: stacks of mesh {gpu: 2}" in out.stderr, out.stderr
+    assert "-- ranks 0-1:\n  MainThread:\n" in out.stderr and "in nap\n        time.sleep(2.5)" in out.stderr
+
+
+def test_a_bad_report_interval_is_named():
+    env = dict(os.environ, MONARCH_HANG_REPORT="soon")
+    code = "from monarch.runtime.config import from_env; import os; from_env(os.environ)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert "MONARCH_HANG_REPORT='soon' is not a number; give a number >= 0" in out.stderr, out.stderr
