@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from monarch.runtime import protocol
 from monarch.runtime.groups import WORLD, ProcessGroupRef
 from monarch.runtime.shape import Shape, format_ranks
-from monarch.runtime.stacks import StackReport, thread_stacks
+from monarch.runtime.stacks import StackReport, pyspy_threads, thread_stacks
 
 _active: contextvars.ContextVar[ProcMesh | None] = contextvars.ContextVar("monarch_active_mesh", default=None)
 
@@ -238,6 +238,10 @@ class ProcMesh:
         sp = self._spawned
         ranks = tuple(self._shape.ranks)
         stacks = sp.controller.stacks(sp, ranks, wait) if sp.state == "running" else {}
+        for r, threads in stacks.items():
+            info = sp.info[r] if r < len(sp.info) else {}
+            if threads is None and info.get("host") == _HOST and info.get("pid"):
+                stacks[r] = pyspy_threads(info["pid"])  # (from outside: a thread of its holds the GIL)
         return StackReport(thread_stacks(), stacks, {r: sp.labels[r] for r in ranks})
 
     def busy(self, ask: float = 0.0, interrupted_only: bool = False) -> list[BusyCall]:

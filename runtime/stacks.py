@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import linecache
 import os
+import re
+import shutil
+import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -62,6 +65,33 @@ def thread_stacks(skip: int | None = None) -> list[tuple[str, list[Frame]]]:
     return out
 
 
+def pyspy_threads(pid: int, timeout: float = 10.0) -> list[tuple[str, list[Frame]]] | None:
+    """`thread_stacks` of process `pid` read from outside by py-spy (for a process whose own threads
+    cannot answer: one holds the GIL in C code), or None where py-spy is not installed or cannot attach."""
+    exe = shutil.which("py-spy")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "dump", "--pid", str(pid), "--full-filenames"], capture_output=True, text=True,
+                             timeout=timeout)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    threads: list[tuple[str, list[Frame]]] = []
+    for line in out.stdout.splitlines():
+        head = re.match(r'Thread \S+ \((.*?)\): "(.*)"', line)
+        if head:
+            threads.append((f"{head.group(2)} (seen by py-spy: {head.group(1)})", []))
+            continue
+        frame = re.match(r"\s+(\S+) \((.+):(\d+)\)$", line)
+        if frame and threads:
+            func, name, lineno = frame.group(1), frame.group(2), int(frame.group(3))
+            if not name.startswith(_RUNTIME) and name != _THREADING and not any(p in name for p in _PLUMBING):
+                threads[-1][1].insert(0, (where(name, lineno, func), linecache.getline(name, lineno).strip()))
+    return [t for t in threads if t[1] or t[0].startswith("MainThread")] or None
+
+
 @dataclass
 class StackReport:
     """The stacks of a mesh's workers (and of the controller), as `mesh.stacks()` returns them; its text
@@ -86,7 +116,10 @@ class StackReport:
             if len(ranks) == 1 and ranks[0] in self.labels:
                 who += f" ({self.labels[ranks[0]]})"
             if key is None:
-                lines.append(f"-- {who}: no answer (its control thread could not run: a thread holds the GIL?)")
+                lines.append(
+                    f"-- {who}: no answer (its control thread could not run: a thread holds the GIL?"
+                    + (")" if shutil.which("py-spy") else "; pip install py-spy to see where it is)")
+                )
                 continue
             lines.append(f"-- {who}:")
             lines += _threads([(name, list(frames)) for name, frames in key])

@@ -64,6 +64,44 @@ def test_stacks_show_ranks_stuck_in_all_reduce_grouped_and_the_one_asleep():
         fut.result(timeout=10)
 
 
+@monarch.remote
+def rank_1_holds_the_gil():
+    import re
+
+    if dist.get_rank() == 1:
+        re.match(r"(a+)+$", "a" * 64 + "b")  # (backtracks in C for ages, never letting go of the GIL)
+
+
+def test_a_rank_whose_thread_holds_the_gil_is_read_from_outside_by_py_spy():
+    import shutil
+
+    assert shutil.which("py-spy"), "py-spy is a test dependency (pip install -e .[test])"
+    probe = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.3)
+        tried = subprocess.run(["py-spy", "dump", "--pid", str(probe.pid)], capture_output=True, text=True, timeout=30)
+    finally:
+        probe.kill()
+        probe.wait()
+    if tried.returncode != 0:  # (ptrace not allowed on this machine: the built-in path is all there is)
+        pytest.skip(f"py-spy cannot attach to a process here: {tried.stderr.strip()[-200:]}")
+    mesh = this_host().spawn_procs({"gpu": 2})
+    pids = worker_pids(mesh)
+    try:
+        rank_1_holds_the_gil.on(mesh).call_async()
+        deadline = time.monotonic() + 30
+        text = ""
+        while "seen by py-spy" not in text and time.monotonic() < deadline:
+            text = str(mesh.stacks(wait=0.5))
+        stuck = text.partition("-- rank 1 (gpu=1):")[2]
+        assert "MainThread (seen by py-spy: active+gil)" in stuck, text
+        assert "in rank_1_holds_the_gil\n" in stuck and 're.match(r"(a+)+$", "a" * 64 + "b")' in stuck, text
+        assert "re/__init__.py" in stuck and "in match" in stuck, text
+    finally:
+        mesh.exit()
+    assert wait_gone(pids) == []
+
+
 def test_the_notebook_says_which_ranks_wait_in_which_collective_and_who_lags(monkeypatch):
     monkeypatch.setenv("MONARCH_HANG_REPORT", "2")
     with monarch_kernel() as k:
