@@ -31,6 +31,10 @@ RELEASE_FIRST = 0.2
 """Seconds after a rank fails (while others still run the call) before the others are asked to leave a
 collective they wait in; then every `RELEASE_AGAIN` seconds until the call ends."""
 RELEASE_AGAIN = 0.5
+HANG_SAMPLES = 5
+"""How many times the ranks of a call past `MONARCH_HANG_REPORT` are asked where they are, `HANG_EVERY`
+seconds apart, before a picture that stayed the same is reported."""
+HANG_EVERY = 0.5
 
 
 class Controller:
@@ -278,30 +282,51 @@ class Controller:
             time.sleep(min(1.0, limit / 4))
             now = time.monotonic()
             for pending in list(self.calls.values()):
-                if not pending.hang_reported and now - pending.started >= limit and not pending.future.done():
+                due = max(pending.started + limit, pending.next_hang_check)
+                if not pending.hang_reported and now >= due and not pending.future.done():
+                    pending.next_hang_check = now + limit  # (a healthy loop is looked at again only later)
                     try:
-                        self._report_hang(pending, now - pending.started)
+                        self._report_hang(pending)
                     except Exception:
                         traceback.print_exc(file=sys.__stderr__)
 
-    def _report_hang(self, pending: PendingCall, seconds: float) -> None:
-        mesh = pending.mesh
-        busy = [r for r in pending.ranks if r not in pending.replies]
-        if not busy or mesh.state != "running":
-            return
-        mesh.backend.control(mesh.mesh_id, tuple(busy), pending.call_id, protocol.REPORT)
+    def _where_busy(self, pending: PendingCall, busy: list[int]) -> dict[int, Any]:
+        """{rank: its fresh `Busy`} for the busy ranks that answer within 0.5 s."""
+        for r in busy:
+            pending.busy.pop(r, None)
+        pending.mesh.backend.control(pending.mesh.mesh_id, tuple(busy), pending.call_id, protocol.REPORT)
         deadline = time.monotonic() + 0.5
         while any(r not in pending.busy for r in busy) and time.monotonic() < deadline:
             time.sleep(0.01)
-        said = {r: pending.busy[r] for r in busy if r in pending.busy}
-        waiting = {r: b for r, b in said.items() if b.collective}
-        if not waiting:
-            return  # (nobody waits in a collective: nothing to explain yet; asked again next time)
+        return {r: pending.busy[r] for r in busy if r in pending.busy}
+
+    def _report_hang(self, pending: PendingCall) -> None:
+        """Look HANG_SAMPLES times, HANG_EVERY seconds apart: only a picture that stays the same (the same
+        ranks waiting in the same collective at the same line, the others at the same lines) is reported. A
+        loop that is merely busy, its ranks meeting in collectives many times a second, is not."""
+        mesh = pending.mesh
+        first: dict[int, tuple[str, str]] | None = None
+        said: dict[int, Any] = {}
+        busy: list[int] = []
+        for i in range(HANG_SAMPLES):
+            if i:
+                time.sleep(HANG_EVERY)
+            busy = [r for r in pending.ranks if r not in pending.replies]
+            if not busy or mesh.state != "running" or pending.future.done():
+                return
+            said = self._where_busy(pending, busy)
+            picture = {r: (b.collective, b.where) for r, b in said.items()}
+            if not any(c for c, _ in picture.values()) or (first is not None and picture != first):
+                return  # (nobody waits in a collective, or things move: looked at again later)
+            first = picture
         pending.hang_reported = True
+        waiting = {r: b for r, b in said.items() if b.collective}
         places: dict[tuple[str, str], list[int]] = {}
         for r, b in waiting.items():
             places.setdefault((b.collective, b.where), []).append(r)
-        lines = [f"monarch: {pending.name or 'this call'} has run {seconds:.0f} s;"]
+        seconds = time.monotonic() - pending.started
+        span = HANG_EVERY * (HANG_SAMPLES - 1)
+        lines = [f"monarch: {pending.name or 'this call'} has run {seconds:.0f} s; for the last {span:.0f} s:"]
         for (collective, at), ranks in places.items():
             lines.append(f"  {_ranks(ranks)} wait in {collective} at {at}")
         elsewhere = [r for r in said if r not in waiting]
@@ -309,9 +334,9 @@ class Controller:
         for r in elsewhere:
             lines.append(f"  rank {r} ({mesh.labels[r]}) is at {said[r].where}, in no collective")
         if elsewhere:
-            lag = _ranks(elsewhere)
+            one = len(elsewhere) == 1
             lines.append(
-                f"  {lag} lag{'s' if len(elsewhere) == 1 else ''}: the others wait for {'it' if len(elsewhere) == 1 else 'them'}"
+                f"  {_ranks(elsewhere)} lag{'s' if one else ''}: the others wait for {'it' if one else 'them'}"
             )
         elif done:
             lines.append(f"  {_ranks(done)} already finished this call: a collective they skipped waits for them")

@@ -77,6 +77,8 @@ class PendingCall:
     """Rank -> `protocol.Released`: ranks taken out of a collective the failed rank never reached."""
     hang_reported: bool = False
     """Its ranks waiting in a collective were reported (`MONARCH_HANG_REPORT`)."""
+    next_hang_check: float = 0.0
+    """`time.monotonic()` before which the hang watchdog does not look at it again."""
     disconnected: bool = False
     """The ranks that had answered were asked to shut their groups' connections (`protocol.DISCONNECT`)."""
     busy: dict[int, Any] = field(default_factory=dict)
