@@ -37,6 +37,23 @@ ROUND_TRIPS = 300
 CPU_CALLS = 300
 OPS = 3000
 
+TIME_CALLS = textwrap.dedent(
+    """
+    import statistics, time
+
+    def time_calls(f):  # (median round trip, this process's CPU per call) of a no-op call, after a warm-up
+        for _ in range(30):
+            f()
+        ts = []
+        for _ in range(ROUND_TRIPS):
+            t1 = time.perf_counter(); f(); ts.append(time.perf_counter() - t1)
+        c0 = time.process_time()
+        for _ in range(CPU_CALLS):
+            f()
+        return statistics.median(ts), (time.process_time() - c0) / CPU_CALLS
+    """
+)
+
 MONARCH = textwrap.dedent(
     """
     import json, statistics, time
@@ -76,15 +93,7 @@ MONARCH = textwrap.dedent(
         f = noop.on(mesh)
         f()
         first = time.perf_counter() - t0
-        for _ in range(30):
-            f()
-        ts = []
-        for _ in range(ROUND_TRIPS):
-            t1 = time.perf_counter(); f(); ts.append(time.perf_counter() - t1)
-        c0 = time.process_time()
-        for _ in range(CPU_CALLS):
-            f()
-        cpu_call = (time.process_time() - c0) / CPU_CALLS
+        rtt, cpu_call = time_calls(f)
         with mesh.activate():
             x = torch.zeros(4)
             for _ in range(200):
@@ -112,7 +121,7 @@ MONARCH = textwrap.dedent(
         mesh2.exit()
     finally:
         monarch.notebook.cleanup(f"bench{H}")
-    print(json.dumps({"reserved": reserved, "spawned": spawned, "first": first, "rtt": statistics.median(ts),
+    print(json.dumps({"reserved": reserved, "spawned": spawned, "first": first, "rtt": rtt,
                       "cpu_call": cpu_call, "cpu_op": cpu_op, "bytes_per_host": statistics.mean(per_host),
                       "bytes_per_host_2w": statistics.mean(per_host2), "op_bytes": op1, "op_bytes_2w": op2}))
     """
@@ -120,7 +129,7 @@ MONARCH = textwrap.dedent(
 
 LOCAL = textwrap.dedent(
     """
-    import json, statistics, time
+    import json, time
     import monarch
     from monarch.actor import this_host
 
@@ -130,17 +139,9 @@ LOCAL = textwrap.dedent(
 
     mesh = this_host().spawn_procs({"gpu": H * W})
     f = noop.on(mesh)
-    for _ in range(30):
-        f()
-    ts = []
-    for _ in range(ROUND_TRIPS):
-        t1 = time.perf_counter(); f(); ts.append(time.perf_counter() - t1)
-    c0 = time.process_time()
-    for _ in range(CPU_CALLS):
-        f()
-    cpu_call = (time.process_time() - c0) / CPU_CALLS
+    rtt, cpu_call = time_calls(f)
     mesh.exit()
-    print(json.dumps({"rtt": statistics.median(ts), "cpu_call": cpu_call}))
+    print(json.dumps({"rtt": rtt, "cpu_call": cpu_call}))
     """
 )
 
@@ -192,7 +193,7 @@ IPYPARALLEL = textwrap.dedent(
 def measure(code: str, hosts: int, workers: int, env: dict) -> dict | None:
     src = (
         f"H = {hosts}\nW = {workers}\nROUND_TRIPS = {ROUND_TRIPS}\nCPU_CALLS = {CPU_CALLS}\nOPS = {OPS}\n"
-        f"ADDR = {CONTROLLER_ADDR!r}\n" + code
+        f"ADDR = {CONTROLLER_ADDR!r}\n" + TIME_CALLS + code
     )
     r = subprocess.run(
         [sys.executable, "-c", src], capture_output=True, text=True, timeout=900, env=env, cwd=tempfile.gettempdir()

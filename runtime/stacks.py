@@ -30,6 +30,11 @@ Frame = tuple[str, str]
 """(where, source line): ``("Cell In[5], line 4", "dist.all_reduce(t)")``."""
 
 
+def _shown(filename: str) -> bool:
+    """Whether a frame of `filename` is the user's (or torch's): not the runtime's nor the machinery's."""
+    return not filename.startswith(_RUNTIME) and filename != _THREADING and not any(p in filename for p in _PLUMBING)
+
+
 def where(filename: str, line: int, func: str) -> str:
     """A line as a notebook user reads it: `Cell In[5], line 4` for a %%mesh cell."""
     if filename.startswith("<mesh cell "):
@@ -53,7 +58,7 @@ def thread_stacks(skip: int | None = None) -> list[tuple[str, list[Frame]]]:
         while frame is not None:
             code = frame.f_code
             name = code.co_filename
-            if not name.startswith(_RUNTIME) and name != _THREADING and not any(p in name for p in _PLUMBING):
+            if _shown(name):
                 frames.append(
                     (where(name, frame.f_lineno, code.co_name), linecache.getline(name, frame.f_lineno).strip())
                 )  # fmt: skip
@@ -87,7 +92,7 @@ def pyspy_threads(pid: int, timeout: float = 10.0) -> list[tuple[str, list[Frame
         frame = re.match(r"\s+(\S+) \((.+):(\d+)\)$", line)
         if frame and threads:
             func, name, lineno = frame.group(1), frame.group(2), int(frame.group(3))
-            if not name.startswith(_RUNTIME) and name != _THREADING and not any(p in name for p in _PLUMBING):
+            if _shown(name):
                 threads[-1][1].insert(0, (where(name, lineno, func), linecache.getline(name, lineno).strip()))
     return [t for t in threads if t[1] or t[0].startswith("MainThread")] or None
 

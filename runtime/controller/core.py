@@ -62,7 +62,8 @@ class Controller:
         self.stack_replies: dict[int, dict] = {}
         """Request number -> {rank: its threads' stacks}, while `stacks` waits for them."""
         self._stack_tokens = itertools.count(1)
-        self._watchdog: threading.Thread | None = None
+        if self.settings.hang_report:
+            threading.Thread(target=self._watch_hangs, name="monarch-hang-watch", daemon=True).start()
         if self.settings.stack_report:
             threading.Thread(target=self._report_stacks, name="monarch-stack-report", daemon=True).start()
         atexit.register(self.shutdown)
@@ -159,9 +160,6 @@ class Controller:
             self.send(mesh, ranks, message, body)
         if self.listeners:
             self.changed(mesh)
-        if self._watchdog is None and self.settings.hang_report:
-            self._watchdog = threading.Thread(target=self._watch_hangs, name="monarch-hang-watch", daemon=True)
-            self._watchdog.start()
         return pending
 
     def wait(self, pending: PendingCall, timeout: float | None = None) -> dict:
@@ -223,12 +221,17 @@ class Controller:
             mesh.generation += 1
             self.send(mesh, None, protocol.ReformGroups(mesh.generation))
 
-    def describe_busy(self, mesh: SpawnedMesh, wait: float = 0.3) -> list[tuple[PendingCall, list[int]]]:
-        """The calls of `mesh` still running, with their busy ranks; asks those ranks what they are doing
-        (their answers land in each call's `busy`, within `wait` seconds)."""
-        running = [(p, [r for r in p.ranks if r not in p.replies]) for p in list(self.calls.values()) if p.mesh is mesh]
+    def describe_busy(
+        self, mesh: SpawnedMesh, wait: float = 0.3, only: PendingCall | None = None
+    ) -> list[tuple[PendingCall, list[int]]]:
+        """The calls of `mesh` (or just `only`) still running, with their busy ranks; asks those ranks what
+        they are doing (their fresh answers land in each call's `busy`, within `wait` seconds)."""
+        calls = [only] if only is not None else [p for p in list(self.calls.values()) if p.mesh is mesh]
+        running = [(p, [r for r in p.ranks if r not in p.replies]) for p in calls]
         running = [(p, ranks) for p, ranks in running if ranks]
         for p, ranks in running:
+            for r in ranks:
+                p.busy.pop(r, None)  # (an earlier answer would pass for this one)
             mesh.backend.control(mesh.mesh_id, tuple(ranks), p.call_id, protocol.REPORT)
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and any(r not in p.busy for p, ranks in running for r in ranks):
@@ -290,16 +293,6 @@ class Controller:
                     except Exception:
                         traceback.print_exc(file=sys.__stderr__)
 
-    def _where_busy(self, pending: PendingCall, busy: list[int]) -> dict[int, Any]:
-        """{rank: its fresh `Busy`} for the busy ranks that answer within 0.5 s."""
-        for r in busy:
-            pending.busy.pop(r, None)
-        pending.mesh.backend.control(pending.mesh.mesh_id, tuple(busy), pending.call_id, protocol.REPORT)
-        deadline = time.monotonic() + 0.5
-        while any(r not in pending.busy for r in busy) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return {r: pending.busy[r] for r in busy if r in pending.busy}
-
     def _report_hang(self, pending: PendingCall) -> None:
         """Look HANG_SAMPLES times, HANG_EVERY seconds apart: only a picture that stays the same (the same
         ranks waiting in the same collective at the same line, the others at the same lines) is reported. A
@@ -311,10 +304,13 @@ class Controller:
         for i in range(HANG_SAMPLES):
             if i:
                 time.sleep(HANG_EVERY)
-            busy = [r for r in pending.ranks if r not in pending.replies]
-            if not busy or mesh.state != "running" or pending.future.done():
+            if mesh.state != "running" or pending.future.done():
                 return
-            said = self._where_busy(pending, busy)
+            asked = self.describe_busy(mesh, 0.5, only=pending)
+            if not asked:
+                return
+            busy = asked[0][1]
+            said = {r: pending.busy[r] for r in busy if r in pending.busy}
             picture = {r: (b.collective, b.where) for r, b in said.items()}
             if not any(c for c, _ in picture.values()) or (first is not None and picture != first):
                 return  # (nobody waits in a collective, or things move: looked at again later)

@@ -252,11 +252,7 @@ class Receiver:
     def notice(self, pending: Any, rank: int, text: str) -> None:
         """Show a line of the runtime's about `pending` where its output goes, in `rank`'s place."""
         mesh = pending.mesh
-        event = OutputEvent(pending.call_id, mesh.mesh_id, rank, mesh.labels[rank], "stderr", text, None, None)
-        try:
-            (pending.output or self.controller.output)(event)
-        except Exception:
-            traceback.print_exc(file=sys.__stderr__)
+        self._deliver(pending, OutputEvent(pending.call_id, mesh.mesh_id, rank, mesh.labels[rank], "stderr", text))
 
     def _event(self, env: Any, stream: str, text: str, data=None, metadata=None) -> None:
         c = self.controller
@@ -264,9 +260,13 @@ class Receiver:
         label = mesh.labels[env.rank] if mesh is not None else f"rank={env.rank}"
         call_id = env.message.call_id
         pending = c.calls.get(call_id) if call_id is not None else None
-        sink = pending.output if pending is not None and pending.output is not None else c.output
+        self._deliver(pending, OutputEvent(call_id, env.mesh_id, env.rank, label, stream, text, data, metadata))
+
+    def _deliver(self, pending: Any, event: OutputEvent) -> None:
+        """To the call's own output (a cell's areas) if it has one, else the controller's."""
+        sink = pending.output if pending is not None and pending.output is not None else self.controller.output
         try:
-            sink(OutputEvent(call_id, env.mesh_id, env.rank, label, stream, text, data, metadata))
+            sink(event)
         except Exception:
             traceback.print_exc(file=sys.__stderr__)
 

@@ -232,9 +232,11 @@ def _socket_inodes(pid: int | str) -> dict[str, int]:
     return out
 
 
-def _tcp_table(state: str = "01") -> dict[str, tuple[str, str]]:
-    """TCP sockets on this machine in `state` (01 ESTABLISHED, 0A LISTEN): inode -> (local, remote address)."""
-    out = {}
+def _tcp_tables() -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
+    """TCP sockets on this machine, read once: established ones, inode -> (local, remote address); and
+    listening ones, inode -> local address."""
+    established: dict[str, tuple[str, str]] = {}
+    listening: dict[str, str] = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
@@ -243,9 +245,11 @@ def _tcp_table(state: str = "01") -> dict[str, tuple[str, str]]:
             continue
         for row in rows:
             cols = row.split()
-            if len(cols) > 9 and cols[3] == state:
-                out[cols[9]] = (cols[1], cols[2])
-    return out
+            if len(cols) > 9 and cols[3] == "01":  # ESTABLISHED
+                established[cols[9]] = (cols[1], cols[2])
+            elif len(cols) > 9 and cols[3] == "0A":  # LISTEN
+                listening[cols[9]] = cols[1]
+    return established, listening
 
 
 def peer_sockets() -> list[int]:
@@ -268,11 +272,11 @@ def peer_sockets() -> list[int]:
     theirs = set()
     for pid in siblings:
         theirs.update(_socket_inodes(pid))
-    table = _tcp_table()
+    table, listeners = _tcp_tables()
     by_ends = {ends: inode for inode, ends in table.items()}
     mine = _socket_inodes(me)
-    listening = {local for inode, (local, _) in _tcp_table("0A").items() if inode in mine}
-    listening = {local for local in listening if local.split(":")[0].strip("0")}  # (not 0.0.0.0 nor ::)
+    # (our own listeners bound to one address: not 0.0.0.0 nor ::)
+    listening = {local for inode, local in listeners.items() if inode in mine and local.split(":")[0].strip("0")}
     out = []
     for inode, fd in mine.items():
         ends = table.get(inode)
