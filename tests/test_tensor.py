@@ -747,8 +747,8 @@ def test_output_of_stream_ops_done_before_a_live_call_is_not_part_of_it(capfd):
         with fresh.activate(), side.activate():
             out = torch.zeros(3)
             torch.add(torch.ones(2), torch.ones(2), out=out)  # torch warns: "An output ... was resized"
-        with side.activate():
-            assert monarch.inspect(out).tolist() == [2.0, 2.0]  # the side stream has run it
+        with side.activate():  # each rank's side stream has run it (inspect waits for one rank's streams)
+            assert [monarch.inspect(out, gpu=g).tolist() for g in (0, 1)] == [[2.0, 2.0]] * 2
         got = []
         nap.on(fresh).start((0.1,), {}, output=got.append).result()
         assert [e.text for e in got if "resized" in e.text] == []
