@@ -8,6 +8,7 @@
     %%mesh gpu=8 --group arrival      output in arrival order, each line labelled (default: by rank)
     %%mesh gpu=8 --save run           keep the run's handle in `run` (run.result(), run.mesh)
     %%mesh --replace gpu=4            stop the running mesh (its namespaces are lost), start this shape
+    %%mesh gpu=4 --profile traces/    profile the cell on every worker: a trace per rank, a merged one, a summary
 
 A shape different from the running implicit mesh's is refused, naming the running shape (its workers
 hold the cells' names; a typo such as `gpus=4` must not throw them away): `--replace` replaces it.
@@ -16,6 +17,7 @@ Meshes given by name are never replaced. A `# comment` may end the magic line.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 import re
@@ -30,7 +32,7 @@ from monarch.extension.frontend import NotebookProgress, NotebookStdin, in_kerne
 
 _DIM = re.compile(r"^([A-Za-z_]\w*)=(.+)$")
 _NAME = re.compile(r"^[A-Za-z_][\w.]*$")
-_USAGE = "usage: %%mesh [DIM=SIZE ... | MESH_VARIABLE] [--on DIM=INDEX|START:STOP ...] [--noblock] [--group rank|arrival] [--save NAME] [--replace]"
+_USAGE = "usage: %%mesh [DIM=SIZE ... | MESH_VARIABLE] [--on DIM=INDEX|START:STOP ...] [--noblock] [--group rank|arrival] [--save NAME] [--replace] [--profile DIR]"
 _LINE_USAGE = (
     "usage: %mesh [status | stacks | shutdown [--all] | restart | pull NAME ... | push NAME ...] [--mesh MESH_VARIABLE]"
 )
@@ -69,6 +71,16 @@ class MeshMagics(Magics):
         no_stdin = None if blocking else "the cell runs with --noblock, so nothing waits to answer"
         if not blocking and isinstance(output, RankAreas):
             output.show_now()  # in this cell, before it returns
+        prof = None
+        if opts["profile"] is not None:
+            if not blocking:
+                raise UsageError(
+                    "%%mesh --profile: a profiled cell cannot run with --noblock (the profile ends with it)"
+                )
+            from monarch.profiler import profile
+
+            prof = profile(on_trace_ready=opts["profile"], mesh=view)
+            prof.start()
         # one line down: the editor's line 1 is the %%mesh line, so tracebacks and pdb count as it does
         future = cells.run_cell(view, "\n" + cell, filename, output=output, no_stdin=no_stdin)
         run = CellRun(future, output, view, blocking)
@@ -78,9 +90,18 @@ class MeshMagics(Magics):
             return None if opts["save"] else run
         try:
             values = run.result()
+        except BaseException:
+            if prof is not None:
+                with contextlib.suppress(Exception):
+                    prof.stop()  # the workers' profilers stop with the cell; its error is what the user sees
+            raise
         finally:
             if self.stdin is not None:
                 self.stdin.cell_done()
+        if prof is not None:
+            from monarch.profiler import show
+
+            show(prof.stop())
         if all(v is None for v in values):
             return None
         return values
@@ -254,11 +275,12 @@ def _parse_cell_args(line: str) -> dict:
         raise UsageError(f"%%mesh: {e}\n{_USAGE}") from None
     opts: dict[str, Any] = {
         "sizes": {}, "name": None, "on": {}, "noblock": False, "group": "rank", "save": None, "replace": False,
+    "profile": None,
     }  # fmt: skip
     i = 0
     while i < len(args):
         a = args[i]
-        if a in ("--on", "--group", "--save", "--group-outputs"):
+        if a in ("--on", "--group", "--save", "--group-outputs", "--profile"):
             if i + 1 >= len(args):
                 raise UsageError(f"%%mesh {a} needs a value\n{_USAGE}")
             value = args[i + 1]
@@ -266,6 +288,8 @@ def _parse_cell_args(line: str) -> dict:
             if a == "--on":
                 dim, index = _parse_on(value)
                 opts["on"][dim] = index
+            elif a == "--profile":
+                opts["profile"] = value
             elif a == "--save":
                 if not value.isidentifier():
                     raise UsageError(f"%%mesh --save {value!r}: not a valid variable name")

@@ -416,6 +416,26 @@ class BorrowEnd:
     alias: int
 
 
+@message
+class ProfileStart:
+    """Start the profiler on each worker (`monarch.profiler.profile`); `config` holds plain values only."""
+
+    config: dict
+
+
+@message
+class ProfileStep:
+    """`prof.step()`: the profiler's schedule moves on a step."""
+
+
+@message
+class ProfileMark:
+    """`record_function(name)` entered (or left) on the stream this command runs on."""
+
+    name: str
+    enter: bool
+
+
 # -- the slot file: what a signal to a worker is about -------------------------------------------------
 SLOT = 32
 """Bytes per rank in a mesh's slot file: int64 the call a SIGINT is for, then a control request sent with

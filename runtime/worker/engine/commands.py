@@ -15,7 +15,7 @@ import torch
 from monarch.runtime import protocol as P
 from monarch.runtime.op_schema import written_args
 from monarch.runtime.protocol import Ref
-from monarch.runtime.worker.engine import comms, streams
+from monarch.runtime.worker.engine import comms, profiling, streams
 from monarch.runtime.worker.engine.table import Poison, resolve, store, table
 
 _ops: dict[str, Any] = {}
@@ -160,4 +160,7 @@ _HANDLERS = {
     P.FailResults: _fail_results,
     P.BorrowStart: _borrow_start,
     P.BorrowEnd: _borrow_end,
+    P.ProfileStart: lambda c: profiling.start(c.config),
+    P.ProfileStep: lambda c: profiling.step(),
+    P.ProfileMark: lambda c: profiling.mark(c.name, c.enter),
 }
