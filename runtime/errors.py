@@ -187,8 +187,18 @@ def group_failures(raw: list[tuple[int, str, ErrorInfo]]) -> list[Failure]:
         msg_parts, tb_parts = _NUMBERS.split(info.message), _NUMBERS.split(tb)
         key = (info.exc_type, tuple(msg_parts[::2]), tuple(tb_parts[::2]), tuple(_kept(tb_parts)))
         groups.setdefault(key, []).append((rank, label, info, msg_parts, tb_parts))
-    out = []
+    split = []
     for members in groups.values():
+        varying = sum(len({m[3][i] for m in members}) > 1 for i in range(1, len(members[0][3]), 2))
+        if varying <= MARKED_AT_MOST:
+            split.append(members)
+            continue
+        by_message: dict[str, list] = {}  # e.g. torch's "Rank 0 runs X, but rank 1 runs Y": marked, unreadable
+        for m in members:
+            by_message.setdefault(m[2].message, []).append(m)
+        split.extend(by_message.values())
+    out = []
+    for members in split:
         rank, label, info, msg_parts, tb_parts = members[0]
         out.append(
             Failure(
@@ -204,6 +214,8 @@ def group_failures(raw: list[tuple[int, str, ErrorInfo]]) -> list[Failure]:
 
 
 _NUMBERS = re.compile(r"(\d+(?:\.\d+)?)")
+MARKED_AT_MOST = 3
+"""Messages that differ in more numbers than this are shown apart: marking them all would hide which is which."""
 _PLACE = re.compile(r"(line |In\[)$")
 """Numbers that say where (a line, a cell): never marked, they tell places apart."""
 

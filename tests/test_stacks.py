@@ -162,3 +162,42 @@ def test_a_bad_report_interval_is_named():
     code = "from monarch.runtime.config import from_env; import os; from_env(os.environ)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert "MONARCH_HANG_REPORT='soon' is not a number; give a number >= 0" in out.stderr, out.stderr
+
+
+@monarch.remote
+def rank_1_broadcasts():
+    t = torch.ones(4)
+    if dist.get_rank() == 1:
+        dist.broadcast(t, 0)
+    else:
+        dist.all_reduce(t)
+    return t.sum().item()
+
+
+@monarch.remote
+def everyone_all_reduces():
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    return t.sum().item()
+
+
+def test_mismatched_collectives_are_named_by_torch_with_torch_distributed_debug(monkeypatch):
+    """With TORCH_DISTRIBUTED_DEBUG=DETAIL set when the mesh starts (even after the fork server read its
+    environment), torch checks each collective across ranks: the call fails at once saying which rank ran
+    which collective, each rank's message apart, and the mesh goes on."""
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    mesh = this_host().spawn_procs({"gpu": 3})
+    pids = worker_pids(mesh)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(monarch.RemoteError) as e:
+            rank_1_broadcasts.on(mesh)()
+        assert time.monotonic() - t0 < 30
+        text = str(e.value)
+        assert "failed on 3 of 3 ranks" in text and "Detected mismatch between collectives" in text
+        assert "-- ranks 0, 2:" in text and "-- rank 1 (gpu=1):" in text
+        assert "OpType=ALLREDUCE" in text and "OpType=BROADCAST" in text
+        assert everyone_all_reduces.on(mesh)().values() == [12.0] * 3
+    finally:
+        mesh.exit()
+    assert wait_gone(pids) == []

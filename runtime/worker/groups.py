@@ -48,6 +48,8 @@ class Groups:
 
     def _init(self, generation: int) -> None:
         self.prefix = f"monarch/{self.mesh_id}/" + (f"g{generation}/" if generation else "")
+        dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG as this mesh was started with (the fork
+        # server read it when it preloaded torch, perhaps before the user set it)
         dist.init_process_group(
             self.backend,
             store=dist.PrefixStore(self.prefix, self.store),
