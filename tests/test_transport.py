@@ -6,6 +6,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 
 import zmq
 
@@ -117,3 +118,42 @@ def test_waiting_for_a_long_call_does_not_burn_cpu(mesh8):
     # polling before every 20 ms sleep would be ~50 polls; polling only at the start and while the burst
     # of 8 replies comes in at the end (once after each) is about 9
     assert polls <= len(mesh8) + 3, f"the waiting caller polled {polls} times in a 1 s wait"
+
+
+def test_output_that_overtakes_a_workers_ready_does_not_get_ready_dropped(tmp_path):
+    """`Ready` goes up the command socket and output up the reply socket, numbered from one counter: output sent
+    just after `Ready` may arrive first. Each socket's numbers are checked on their own, so neither is taken
+    for a replay (the spawn waited forever when `Ready` was)."""
+    from monarch.runtime.backends.transport import ControllerTransport, WorkerTransport
+    from monarch.runtime.config import from_env
+
+    os.chmod(tmp_path, 0o700)
+    ctl = ControllerTransport(from_env({}), str(tmp_path))
+    (keys,) = ctl.add_mesh(7, 1)
+    worker = WorkerTransport(keys)
+    try:
+        worker.hello(protocol.Ready({"pid": 1}))  # number 1, up the command socket
+        worker.send(protocol.Output(None, "stdout", "printed at start\n"))  # number 2, up the reply socket
+        got = []
+        for _ in range(200):
+            reply = ctl.recv(block=False)  # the output first: this worker's number 2
+            if reply is not None:
+                got.append(type(reply.message).__name__)
+            got += [type(e.message).__name__ for e in ctl.read_cmd()]  # then Ready: number 1
+            if len(got) == 2:
+                break
+            time.sleep(0.01)
+        assert got == ["Output", "Ready"]
+        worker.hello(protocol.Ready({"pid": 1}))  # a real replay is still refused: number 3 is new, 1 is not
+        assert [type(e.message).__name__ for e in _read_cmd_for(ctl, 1.0)] == ["Ready"]
+    finally:
+        worker.close()
+        ctl.close()
+
+
+def _read_cmd_for(ctl, seconds: float) -> list:
+    end, out = time.monotonic() + seconds, []
+    while time.monotonic() < end and not out:
+        out = ctl.read_cmd()
+        time.sleep(0.01)
+    return out

@@ -179,7 +179,10 @@ class _Mesh:
     seq: int = 0
     """Sequence number of the last message sent to this mesh's workers."""
     seen: list[int] = field(default_factory=list)
-    """Per rank: sequence number of the last message taken from that worker."""
+    """Per rank: sequence number of the last message taken from that worker (on the reply socket)."""
+    hello_seen: list[int] = field(default_factory=list)
+    """The same for start-up messages, which come up the command socket: the two sockets' messages are numbered
+    from one counter but may arrive in either order (output sent just after `Ready` can overtake it)."""
 
 
 class PeerStalled(Exception):
@@ -401,7 +404,7 @@ class ControllerTransport:
             public, secret = zmq.curve_keypair()
             self.curve.clients.add(public)
         with self.send_lock:
-            self._meshes[mesh_id] = _Mesh(key, topic, rank_topics, public, seen=[0] * n)
+            self._meshes[mesh_id] = _Mesh(key, topic, rank_topics, public, seen=[0] * n, hello_seen=[0] * n)
             self._topics[topic] = (mesh_id, -1)
             for r, t in enumerate(rank_topics):
                 self._topics[t] = (mesh_id, r)
@@ -512,13 +515,13 @@ class ControllerTransport:
         mesh = self._meshes.get(mesh_id)
         return mesh.key if mesh is not None and 0 <= rank < len(mesh.seen) else None
 
-    def _verify(self, frames: list) -> Any:
+    def _verify(self, frames: list, upstream: bool = False) -> Any:
         try:
             env = wire.decode(self._key_of, frames)
             mesh = self._meshes.get(env.mesh_id)
             if mesh is None:
                 return DROPPED  # stopped meanwhile
-            seen = mesh.seen
+            seen = mesh.hello_seen if upstream else mesh.seen
             if env.seq <= seen[env.rank]:
                 self.log("a replayed message", f"rank {env.rank} of mesh {env.mesh_id} already sent number {env.seq}")
                 return DROPPED
@@ -575,7 +578,7 @@ class ControllerTransport:
                         cmd.setsockopt(zmq.SUBSCRIBE, topic)  # (applies to the connection it came on)
                     continue
                 frames[0] = frames[0].buffer[1:]
-                env = self._verify(frames)
+                env = self._verify(frames, upstream=True)
                 if env is not DROPPED:
                     out.append(env)
         finally:
