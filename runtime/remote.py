@@ -307,7 +307,7 @@ def _by_reference(fn) -> wire.FunctionRef | None:
 
 def _pickle(obj, what: str, fn) -> Any:
     try:
-        return cloudpickle.dumps(obj, protocol=5) if what == "function" else wire.dumps(obj)
+        return wire.dumps_function(obj) if what == "function" else wire.dumps(obj)
     except (pickle.PicklingError, TypeError, AttributeError) as e:
         name = getattr(fn, "__qualname__", repr(fn))
         raise TypeError(

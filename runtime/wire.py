@@ -22,7 +22,9 @@ import io
 import pickle
 import struct
 import sys
+import types
 import warnings
+from collections import ChainMap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -90,7 +92,21 @@ def _reduce_tensor(t):
     return _rebuild_tensor, (pickle.PickleBuffer(flat.numpy()), t.dtype, tuple(t.shape))
 
 
+_cloudpickle_code_reduce = getattr(cloudpickle.cloudpickle, "_code_reduce", None)
+_DYNAMIC = "<dynamic-code>"
+
+
+def _code_keeping_its_file(code: Any) -> Any:
+    """cloudpickle >= 3.1 writes every by-value code object's file as "<dynamic-code>" (for deterministic
+    pickles); the workers' tracebacks and pdb would lose the cell and the lines it ran. Keep the file."""
+    make, args = _cloudpickle_code_reduce(code)
+    return make, tuple(code.co_filename if a == _DYNAMIC and type(a) is str else a for a in args)
+
+
 class _Pickler(cloudpickle.Pickler):
+    if _cloudpickle_code_reduce is not None:
+        dispatch_table = ChainMap({types.CodeType: _code_keeping_its_file}, cloudpickle.Pickler.dispatch_table)
+
     def reducer_override(self, obj):
         torch = sys.modules.get("torch")
         if torch is not None and type(obj) is torch.Tensor:
@@ -181,6 +197,13 @@ def dumps(obj: Any) -> list:
     f = io.BytesIO()
     _Pickler(f, protocol=5, buffer_callback=keep).dump(obj)
     return [f.getvalue(), *buffers]
+
+
+def dumps_function(fn: Any) -> bytes:
+    """Pickle a function by value (cloudpickle), keeping its code's file name (see `_code_keeping_its_file`)."""
+    f = io.BytesIO()
+    _Pickler(f, protocol=5).dump(fn)
+    return f.getvalue()
 
 
 def loads(body, buffers=()) -> Any:
