@@ -54,7 +54,13 @@ if TYPE_CHECKING:
     from monarch.runtime.remote import Future, ValueMesh, remote
 
 
+_SUBMODULES = {"memory"}
+"""Public modules reachable after a bare `import monarch` (`monarch.memory.dump_memory_snapshot()`)."""
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"monarch.{name}")  # (binds itself as an attribute of monarch)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'monarch' has no attribute {name!r}")

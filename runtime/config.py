@@ -2,7 +2,8 @@
 
 The controller reads them; workers get the values they need from the controller when they start
 (`WorkerConfig`), so a worker never reads a knob of its own. Bad values are a `ValueError` naming the
-variable, the value and what is allowed.
+variable, the value and what is allowed. (`MONARCH_LOG` is read by `log.py`, in each process: a bad value
+there is a warning, not an error, as logging must never stop a run.)
 """
 
 from __future__ import annotations

@@ -202,6 +202,8 @@ class AskInput:
     prompt: str
     password: bool
     debugger: bool
+    where: str
+    """For pdb: where it stopped (``script.py:12``); else ""."""
 
 
 RELEASED = "Released"

@@ -1,5 +1,7 @@
-"""Workers' stdin outside a kernel: pdb and input() served by the script's terminal, one rank at a time."""
+"""Workers' stdin outside a kernel: input() served by the script's terminal, one rank at a time; pdb too
+where the script debugger (`monarch debug`, tests/test_script_debugger.py) cannot start."""
 
+import os
 import re
 import subprocess
 import sys
@@ -33,15 +35,21 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.timeout(60)
-def test_pdb_and_input_use_the_terminal_in_a_script(tmp_path):
+def test_pdb_and_input_use_the_terminal_in_a_script_whose_debugger_cannot_start(tmp_path):
     script = tmp_path / "debug_script.py"
     script.write_text(SCRIPT)
+    # the debugger's directory is open to others: refused, and the terminal serves pdb instead
+    (tmp_path / "run" / "monarch").mkdir(parents=True)
+    os.chmod(tmp_path / "run" / "monarch", 0o755)
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path / "run"))
     # each rank's pdb session: "p x + 1000", then "c"; then each rank's input(): a name
     answers = "p x + 1000\nc\np x + 1000\nc\nalice\nbob\n"
     out = subprocess.run(
-        [sys.executable, str(script)], input=answers, capture_output=True, text=True, cwd=REPO, timeout=50
+        [sys.executable, str(script)], input=answers, capture_output=True, text=True, cwd=REPO, timeout=50, env=env
     )
     assert out.returncode == 0, out.stderr
+    assert out.stderr.count("the script debugger cannot start") == 1, out.stderr
+    assert "has mode 0o755: others can reach it; make it private (chmod 700" in out.stderr
     text = out.stdout
     assert "RESULT [0, 7]" in text and "NAMES ['alice', 'bob']" in text, text
     # prompts are labelled with the rank, and a rank's pdb session ends before the other's starts

@@ -33,6 +33,8 @@ from monarch.runtime.backends.transport import HEARTBEAT_TIMEOUT, LinkEnd, PeerS
 from monarch.runtime.shape import Shape
 
 _NOBLOCK = int(zmq.NOBLOCK)
+_FORWARDED_ENV = ("MONARCH_LOG",)
+"""The controller's variables its workers on other hosts get too (the agents' own environment is theirs)."""
 ATTACH_TIMEOUT = 10.0
 """Seconds an agent gets to answer a controller that attaches."""
 
@@ -348,8 +350,9 @@ class HostsBackend(Backend):
                 for local_rank, rank in enumerate(placement.get(i, [])):
                     k = keys[rank]
                     starts.append((rank, by_rank[rank], labels[rank], local_rank, (k.key, k.mesh_topic, k.rank_topic)))
+                env = {name: os.environ[name] for name in _FORWARDED_ENV if name in os.environ}
                 start = protocol.StartWorkers(
-                    mesh_id, n, shape.size_dict, starts, self.settings.group_timeout, {}, list(sys.path), os.getcwd()
+                    mesh_id, n, shape.size_dict, starts, self.settings.group_timeout, env, list(sys.path), os.getcwd()
                 )
                 self._send(i, start)
             await_ready(self.changed, mesh, n, self.settings.spawn_timeout, progress, lambda: dict(mesh.exited))

@@ -16,9 +16,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from monarch.runtime import backends, protocol
+from monarch.runtime import backends, log, protocol
 from monarch.runtime.backends.transport import HOLD
 from monarch.runtime.config import Settings, settings
+from monarch.runtime.controller.debugger import DebugServer
 from monarch.runtime.controller.output import LineLabeller, OutputEvent
 from monarch.runtime.controller.progress import SpawnProgress, TerminalProgress
 from monarch.runtime.controller.receiving import Receiver
@@ -36,17 +37,20 @@ HANG_SAMPLES = 5
 seconds apart, before a picture that stayed the same is reported."""
 HANG_EVERY = 0.5
 
+_log = log.get("controller")
+
 
 class Controller:
     """Owns this process's meshes. Get it with `get_controller()`."""
 
     def __init__(self, config: Settings | None = None) -> None:
+        log.configure("controller")
         self.settings = config or settings()
         self.meshes: dict[int, SpawnedMesh] = {}
         self.calls: dict[int, PendingCall] = {}
         self.output: Callable[[OutputEvent], None] = LineLabeller()
         """Where worker output and displays go; the notebook extension routes them per cell."""
-        self.stdin = StdinService(self)
+        self.stdin = StdinService(self, DebugServer)
         self.spawn_progress: Callable[[str, int], SpawnProgress] = TerminalProgress
         """Makes what shows a mesh's start, from its shape and size (the notebook shows it in the cell)."""
         self.listeners: list[Callable[[SpawnedMesh], None]] = []
@@ -79,13 +83,17 @@ class Controller:
         mesh = SpawnedMesh(self, mesh_id, shape, labels, backend=backend or self.backend)
         self.meshes[mesh_id] = mesh
         progress = self.spawn_progress(shape.describe(), len(shape))
+        _log.info("mesh %d %s: starting %d workers", mesh_id, shape.describe(), len(shape))
+        started = time.monotonic()
         try:
             mesh.info = mesh.backend.start(mesh_id, shape, labels, progress.update)
         except BaseException as e:
             self.meshes.pop(mesh_id, None)
             progress.finish(e)
+            _log.info("mesh %d did not start: %s: %s", mesh_id, type(e).__name__, e)
             raise
         progress.finish(None)
+        _log.info("mesh %d: %d workers ready in %.2f s", mesh_id, len(shape), time.monotonic() - started)
         mesh.state = "running"
         self.changed(mesh)
         return mesh
@@ -158,6 +166,7 @@ class Controller:
         else:
             message, body = message_for(call_id)
             self.send(mesh, ranks, message, body)
+            _log.debug("call %d (%s) sent to %d ranks of mesh %d", call_id, name, len(ranks), mesh.mesh_id)
         if self.listeners:
             self.changed(mesh)
         return pending
@@ -202,6 +211,11 @@ class Controller:
             self.receiver.show_early_errors(pending)
         busy = tuple(r for r in pending.ranks if r not in pending.replies and r not in pending.released)
         if busy:
+            _log.info(
+                "call %d failed on a rank: asking ranks %s to leave their collective",
+                pending.call_id,
+                format_ranks(list(busy)),
+            )
             pending.mesh.backend.control(pending.mesh.mesh_id, busy, pending.call_id, protocol.RELEASE)
             # Across hosts a link between two workers is shut by one of its ends only (the one that accepted
             # it, or a sibling's on the same host): the ranks that already answered must shut theirs too.
@@ -217,8 +231,10 @@ class Controller:
         broken (and the failed rank's, whose peers shut their connections): re-form them before anything
         else runs on the mesh."""
         mesh = pending.mesh
+        _log.debug("call %d done in %.3f s", pending.call_id, time.monotonic() - pending.started)
         if pending.released and mesh.state == "running":
             mesh.generation += 1
+            _log.info("mesh %d: re-forming its groups (generation %d) after a release", mesh.mesh_id, mesh.generation)
             self.send(mesh, None, protocol.ReformGroups(mesh.generation))
 
     def describe_busy(
@@ -396,6 +412,7 @@ class Controller:
         mesh.state = "stopped"
         self._mark_gone(mesh)
         self.meshes.pop(mesh.mesh_id, None)
+        _log.info("mesh %d stopped (exit codes by rank: %s)", mesh.mesh_id, mesh.exit_codes)
         self.changed(mesh)
         self._detach_unused(mesh.backend)
 
@@ -418,7 +435,9 @@ class Controller:
         """Stop every mesh and close the sockets (runs at interpreter exit)."""
         if self._closed:
             return
+        _log.info("shutting down: %d meshes to stop", len(self.meshes))
         self.stop_all()
+        self.stdin.close()
         for name in list(self.jobs):
             self.detach(name)
         self._closed = True

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from monarch.runtime import protocol, wire
@@ -54,6 +54,8 @@ class Receiver:
             protocol.Busy: self._on_busy,
             protocol.Stacks: self._on_stacks,
         }
+        self.taps: list[Callable[[OutputEvent], None]] = []
+        """Also given every output event, after its sink (the script debugger shows its ranks' output)."""
         self._closed = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -269,6 +271,11 @@ class Receiver:
             sink(event)
         except Exception:
             traceback.print_exc(file=sys.__stderr__)
+        for tap in self.taps:
+            try:
+                tap(event)
+            except Exception:
+                traceback.print_exc(file=sys.__stderr__)
 
     def _on_output(self, env: Any) -> None:
         self._event(env, env.message.stream, env.message.text)
@@ -281,9 +288,10 @@ class Receiver:
         mesh = self.controller.meshes.get(env.mesh_id)
         if mesh is None:
             return False
+        label = mesh.labels[env.rank]
         self.controller.stdin.on_request(
             InputRequest(
-                mesh, env.rank, mesh.labels[env.rank], msg.call_id, msg.req_id, msg.prompt, msg.password, msg.debugger
+                mesh, env.rank, label, msg.call_id, msg.req_id, msg.prompt, msg.password, msg.debugger, msg.where
             )
         )
         return True

@@ -1,4 +1,6 @@
-"""Serving workers' input requests (`input()`, pdb prompts) on the controller, one rank at a time."""
+"""Serving workers' input requests (`input()`, pdb prompts) on the controller, one rank at a time.
+
+In a script, pdb prompts go to the script debugger instead (`debugger.DebugServer`, `monarch debug`)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ class InputRequest:
     password: bool
     debugger: bool
     """Asked by pdb: the same rank's next prompt is served before other ranks'."""
+    where: str = ""
+    """For pdb: where it stopped (``script.py:12``)."""
 
 
 RESUME_COMMANDS = frozenset({"c", "cont", "continue", "q", "quit", "exit"})
@@ -42,8 +46,12 @@ class StdinService:
     """The controller's part that answers input requests: queued by the receiving thread, served by a
     thread waiting for a call (so a prompt appears where the user waits)."""
 
-    def __init__(self, controller: Any) -> None:
+    def __init__(self, controller: Any, debug_server: Callable[[Any], Any] | None = None) -> None:
         self.controller = controller
+        self._make_debug_server = debug_server
+        """Makes the script debugger's server from the controller (`debugger.DebugServer`); None: no server."""
+        self.debug_server: Any = None
+        """In a script, the `debugger.DebugServer` that pdb prompts go to (made when a rank first pauses)."""
         self.prompt: Callable[[InputRequest], str] = terminal_input
         """Answers one request (the notebook extension puts the notebook's stdin here)."""
         self.queue: collections.deque[InputRequest] = collections.deque()
@@ -61,8 +69,24 @@ class StdinService:
         reason = "the call it belongs to is over" if pending is None else pending.no_stdin
         if reason is not None:
             self.answer(req, False, f"input() / pdb on rank {req.rank} ({req.label}) has no stdin: {reason}")
-        else:
+        elif not (req.debugger and self.prompt is terminal_input and self._to_debug_server(req)):
             self.queue.append(req)
+
+    def _to_debug_server(self, req: InputRequest) -> bool:
+        """In a script (the prompt is still the terminal), a pdb prompt waits for `monarch debug` to attach,
+        so several paused ranks can be looked at in any order. False if the server cannot run (it said why):
+        the terminal serves the prompt then, as before."""
+        server = self.debug_server
+        if server is None or server.closed:
+            if self._make_debug_server is None:
+                return False
+            server = self.debug_server = self._make_debug_server(self.controller)
+        return server.add(req)
+
+    def close(self) -> None:
+        """The controller shuts down: stop the debug server (its socket is removed)."""
+        if self.debug_server is not None:
+            self.debug_server.close()
 
     def answer(self, req: InputRequest, ok: bool, text: str) -> None:
         if req.mesh.state == "running":

@@ -27,9 +27,10 @@ import traceback
 from types import CodeType, FrameType, TracebackType
 from typing import Any
 
-from monarch.runtime import protocol
+from monarch.runtime import log, protocol
 from monarch.runtime.stacks import thread_stacks, where
 
+_log = log.get("worker")
 _REQUEST = struct.Struct("<qqq")
 _RUNTIME = os.path.dirname(os.path.dirname(__file__))
 _WRAPPERS = {"wrapper", "inner", "_fn", "decorated"}
@@ -91,6 +92,7 @@ class Control:
         from monarch.runtime.worker import groups
 
         self.worker.released = (collective, where)
+        _log.info("call %d: released from %s at %s (another rank failed)", call_id, collective, where)
         # said before it is done: the call's reply (its collective raises at once) must come after this
         self.worker.send(protocol.Released(call_id, collective, where, name_groups(groups.current.users())))
         groups.current.release()

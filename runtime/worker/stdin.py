@@ -2,13 +2,14 @@
 
 The controller answers from its own stdin: the notebook's input box in a kernel, the terminal in
 a script. `breakpoint()` and `pdb.set_trace()` open a pdb whose prompt is served that way, one
-paused rank at a time.
+paused rank at a time (in a script, by the `monarch debug` client, any rank in any order).
 """
 
 from __future__ import annotations
 
 import builtins
 import io
+import os
 import pdb
 import sys
 from typing import Any
@@ -48,6 +49,8 @@ class WorkerPdb(pdb.Pdb):
         super().__init__(nosigint=True)  # the worker's SIGINT handler raises KeyboardInterrupt
 
     def _cmdloop(self) -> None:
+        global _active
+        _active = self
         if _worker is not None:
             _worker.in_debugger = True
         try:
@@ -56,8 +59,21 @@ class WorkerPdb(pdb.Pdb):
             self.set_quit()  # stop tracing, then let the interrupt end the user's code
             raise
         finally:
+            _active = None
             if _worker is not None:
                 _worker.in_debugger = False
+
+
+_active: WorkerPdb | None = None
+"""The pdb reading commands on this worker now, if any."""
+
+
+def paused_at() -> str:
+    """Where this worker's pdb stopped, as ``file.py:12`` (the frame `up`/`down` selected), or ""."""
+    frame = getattr(_active, "curframe", None)
+    if frame is None:
+        return ""
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 def set_trace(*, header: str | None = None) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import cloudpickle
 import torch
 
-from monarch.runtime import context, protocol, wire
+from monarch.runtime import context, log, protocol, wire
 from monarch.runtime.backends.store import store_client
 from monarch.runtime.backends.transport import WorkerTransport
 from monarch.runtime.shape import Shape
@@ -31,6 +31,8 @@ from monarch.runtime.worker import groups, stdin
 from monarch.runtime.worker.control import Control
 from monarch.runtime.worker.engine import commands as engine
 from monarch.runtime.worker.output import Output
+
+_log = log.get("worker")
 
 current: Worker | None = None
 """This process's worker (code running on it can send output and ask for input through it)."""
@@ -121,6 +123,7 @@ class Worker:
             self._close()
             return
         handlers = self.handlers
+        said_ready = False
         while True:
             if self.backlog:
                 env = self.backlog.popleft()
@@ -131,6 +134,9 @@ class Worker:
                     continue
                 if env is None:
                     continue
+            if not said_ready:  # Not before: output overtaking our Ready (another socket) would get it dropped.
+                said_ready = True
+                _log.info("ready: rank %d, pid %d, device %s", self.rank, os.getpid(), context.worker.device)
             kind = type(env.message)
             if kind is protocol.Exit:
                 break
@@ -141,6 +147,7 @@ class Worker:
                 handler(env)
             except Exception:  # a bug of ours: report it, keep serving
                 traceback.print_exc()
+        _log.info("exiting, as the controller asked")
         self._close()
 
     def _make_groups(self, env: wire.Envelope) -> None:
@@ -153,6 +160,7 @@ class Worker:
 
     def _reform_groups(self, env: wire.Envelope) -> None:
         groups.current.reform(env.message.generation)
+        _log.info("process groups re-formed (generation %d)", env.message.generation)
         self.output.flush()
 
     def _late_stdin(self, env: wire.Envelope) -> None:
@@ -167,7 +175,8 @@ class Worker:
         """
         req = next(self._input_ids)
         self.output.flush()  # what was printed before the prompt shows before it
-        self.send(protocol.AskInput(self.call_id, req, prompt, password, self.in_debugger))
+        where = stdin.paused_at() if self.in_debugger else ""
+        self.send(protocol.AskInput(self.call_id, req, prompt, password, self.in_debugger, where))
         while True:
             env = self.transport.recv()
             if env is None:
@@ -210,6 +219,7 @@ class Worker:
             if len(self.views) < 1024:
                 self.views[key] = call_view
         context.view = call_view  # read only through current_rank()/current_size(), which copy
+        _log.debug("call %d started", call_id)
         ok, value = True, None
         try:
             if msg.fn is not None:
@@ -247,6 +257,7 @@ class Worker:
                 body = wire.dumps(value)
             except Exception as e:
                 ok, value = False, _describe(e, f"the result ({type(value).__name__}) cannot be pickled: ")
+        _log.debug("call %d done (%s)", call_id, "ok" if ok else "failed")
         self.output.flush()
         self._send(protocol.Reply(call_id, ok), body if ok else wire.dumps(value))
         self.call_id = None

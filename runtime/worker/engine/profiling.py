@@ -25,11 +25,23 @@ _marks: dict[int, list] = {}
 """Open `record_function` handles per thread (each stream runs on its own thread)."""
 
 
+blockers: list = []
+"""Functions saying why torch's profiler cannot start now (None: it can); `worker.memory` adds one."""
+_refused: str | None = None
+"""Why the last `start` did not start (told by `collect`: a tensor command has nobody to tell)."""
+
+
 def start(config: dict) -> None:
     """Start profiling every thread of this worker, as `config` (see `monarch.runtime.profiler`) says."""
-    global _prof
+    global _prof, _refused
+    _refused = None
     if _prof is not None:
-        raise RuntimeError("a monarch.profiler profile is already running on this worker; profiles do not nest")
+        _refused = "a monarch.profiler profile is already running on this worker; profiles do not nest"
+        return
+    for why_not in blockers:
+        _refused = why_not()
+        if _refused is not None:
+            return
     from torch.profiler import ProfilerActivity, profile, schedule
 
     activities = [getattr(ProfilerActivity, a) for a in config["activities"]]
@@ -78,6 +90,8 @@ def collect() -> dict:
     from monarch.runtime.worker.engine.streams import sync_streams
 
     sync_streams()
+    if _refused is not None:
+        raise RuntimeError(_refused)
     prof, _prof = _prof, None
     if prof is not None:
         prof.__exit__(None, None, None)  # a window still recording is made ready now
