@@ -393,8 +393,30 @@ def _check_slurm(nb) -> None:
     assert "notebook-demo" not in _result(_cell(nb, "mesh.exit()\nmonarch.notebook.cleanup"))["text/plain"]
 
 
+def _check_profiling(nb) -> None:
+    # The profiled loop: the merged timeline (plain SVG, no script, no site) and the summary of 4 ranks.
+    loop = _cell(nb, "with mesh.activate():\n    with profile(")
+    html = _text(loop, "text/html")
+    assert "<svg class='monarch-timeline'" in html and "<script" not in html
+    assert all(f"rank {r} (dp={r})" in html for r in range(4))
+    assert "monarch-profile-summary" in html and "per rank, ms per step (2 steps)" in html
+    assert len(html) < 200_000, f"the timeline is {len(html)} bytes"
+    files = _result(_cell(nb, "sorted(p.split"))["text/plain"]
+    assert all(f"rank{r}.pt.trace.json" in files for r in range(4)) and "merged.pt.trace.json" in files
+    # %%mesh --profile: rank 2 made slow on purpose is named.
+    straggler = _text(_cell(nb, "%%mesh mesh --profile"), "text/html")
+    assert "slowest: rank 2 (dp=2)" in straggler and "data-rank='2' class='monarch-slowest'" in straggler
+    # Memory: a snapshot per rank, each with the 4 MB tensor made in the cell.
+    memory = _result(_cell(nb, "import monarch.memory"))
+    for r in range(4):
+        assert f"snapshot_rank{r}.pickle" in memory["text/plain"]
+    assert memory["text/plain"].count("3.8 MiB") >= 4, memory["text/plain"]
+    assert "<svg" in memory["text/html"] and "<script" not in memory["text/html"]
+
+
 OUTPUT_CHECKS = {
     "getting_started.ipynb": _check_getting_started,
     "distributed_tensors.ipynb": _check_distributed_tensors,
     "slurm.ipynb": _check_slurm,
+    "profiling.ipynb": _check_profiling,
 }

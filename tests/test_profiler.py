@@ -15,7 +15,6 @@ from monarch.profiler import Schedule, profile, record_function
 from monarch.runtime import traces
 
 from conftest import wait_gone, worker_pids
-from kernel_client import monarch_kernel
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -218,6 +217,8 @@ def test_bad_arguments_say_what_is_allowed(mesh4, tmp_path):
 
 
 def test_mesh_profile_in_a_notebook_shows_the_timeline_and_names_the_slow_rank(tmp_path):
+    from kernel_client import monarch_kernel
+
     out = tmp_path / "cell-traces"
     with monarch_kernel() as k:
         r = k.run("%%mesh gpu=3\nimport torch\nimport torch.distributed as dist\nx = torch.ones(4)")
@@ -273,3 +274,20 @@ def test_gpu_workers_record_cuda_kernels_and_the_summary_counts_them(tmp_path):
     assert all(s.device == "gpu" and s.compute_ms > 0 for s in prof.result.summary.ranks), prof.result.summary.text()
     if n > 1:
         assert any("nccl" in e["name"].lower() for e in kernels)
+
+
+def test_a_profile_while_memory_is_recorded_on_cpu_says_why_it_cannot(mesh4, tmp_path):
+    import monarch.memory
+
+    if torch.cuda.is_available():
+        pytest.skip("on CUDA workers memory recording does not use the profiler")
+    monarch.memory.record_memory_history(mesh=mesh4)
+    try:
+        with pytest.raises(monarch.RemoteError, match="monarch.memory is recording this CPU worker's allocations"):
+            with profile(mesh=mesh4, on_trace_ready=str(tmp_path)):
+                _train_step.on(mesh4)(-1)
+    finally:
+        monarch.memory.record_memory_history(enabled=None, mesh=mesh4)
+    with profile(mesh=mesh4, on_trace_ready=str(tmp_path)) as prof:  # and once it stopped, a profile runs
+        _train_step.on(mesh4)(-1)
+    assert len(prof.result.rank_files) == 4

@@ -5,6 +5,7 @@ rank named. Plain SVG in HTML: no script, no external site, the same live and in
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 from monarch.runtime import traces
@@ -13,7 +14,7 @@ from monarch.widgets.style import esc, page, table
 WIDTH = 960
 """Pixels of the time axis."""
 ROW = 14
-MAX_BOXES = 6000
+MAX_BOXES = 2500
 """Boxes drawn at most; the shortest are left out beyond it (the trace file keeps everything)."""
 _COLOURS = {
     "compute": "var(--jp-brand-color1,#3b7dd8)",
@@ -72,7 +73,7 @@ def summary_table(summary: traces.Summary) -> str:
 def timeline_svg(merged: dict) -> str:
     """An SVG of the merged trace: per rank, one row per thread that ran ops or kernels."""
     rows: dict[tuple[int, Any], list[tuple[float, float, str, str]]] = {}
-    steps: list[float] = []
+    steps: dict[int, list[float]] = {}
     names: dict[int, str] = {}
     for e in merged.get("traceEvents", []):
         pid = e.get("pid")
@@ -83,10 +84,10 @@ def timeline_svg(merged: dict) -> str:
         cat, name = e.get("cat"), e.get("name", "")
         start, dur = float(e["ts"]), float(e.get("dur", 0))
         if traces.STEP.match(name):
-            steps.append(start)
+            steps.setdefault(pid, []).append(start)
             continue
         if cat == "user_annotation" or cat == "gpu_user_annotation":
-            kind = "mark"
+            kind = "comm" if traces.COMM.search(name) else "mark"  # gloo:all_reduce, nccl:all_reduce: waiting
         elif cat in ("cpu_op", "kernel", "gpu_memcpy", "gpu_memset"):
             kind = "comm" if traces.COMM.search(name) else "compute"
         else:
@@ -98,12 +99,15 @@ def timeline_svg(merged: dict) -> str:
     t1 = max(s + d for evs in rows.values() for s, d, *_ in evs)
     span = max(t1 - t0, 1e-3)
     scale = WIDTH / span
+    rows = {key: _coalesce(evs, 1.0 / scale) for key, evs in rows.items()}
     keep = _biggest([(d, key, i) for key, evs in rows.items() for i, (_, d, *_r) in enumerate(evs)])
     label_w = 130
     parts, y = [], 18
     last_pid = None
+    rank_rows: dict[int, list[int]] = {}
     for key in sorted(rows, key=lambda k: (k[0], str(k[1]))):
         pid = key[0]
+        rank_rows.setdefault(pid, []).append(y)
         if pid != last_pid:
             parts.append(
                 f"<text x='0' y='{y + 10}' class='monarch-tl-rank' data-rank='{pid}'>{esc(names.get(pid, pid))}</text>"
@@ -119,13 +123,15 @@ def timeline_svg(merged: dict) -> str:
             w = max(d * scale, 0.5)
             h, dy = (ROW - 8, 0) if kind == "mark" else (ROW - 4, 4)
             parts.append(
-                f"<rect x='{x:.1f}' y='{y + dy}' width='{w:.1f}' height='{h}' fill='{_COLOURS[kind]}' "
-                f"class='monarch-tl-{kind}'><title>{esc(name)} {d / 1000:.3f} ms</title></rect>"
+                f"<rect x='{x:.1f}' y='{y + dy}' width='{w:.1f}' height='{h}' fill='{_COLOURS[kind]}'>"
+                f"<title>{esc(name)} {d / 1000:.3f} ms</title></rect>"
             )
         y += ROW + 2
-    for s in steps:
-        x = label_w + (s - t0) * scale
-        parts.append(f"<line x1='{x:.1f}' x2='{x:.1f}' y1='12' y2='{y}' class='monarch-tl-step'/>")
+    for pid, starts in steps.items():  # each rank's step boundaries, across its own rows
+        ys = rank_rows.get(pid)
+        for s in starts if ys else ():
+            x = label_w + (s - t0) * scale
+            parts.append(f"<line x1='{x:.1f}' x2='{x:.1f}' y1='{ys[0]}' y2='{ys[-1] + ROW}' class='monarch-tl-step'/>")
     axis = f"<text x='{label_w}' y='10' class='monarch-tl-axis'>0 ms</text><text x='{label_w + WIDTH}' y='10' "
     axis += f"text-anchor='end' class='monarch-tl-axis'>{span / 1000:.2f} ms</text>"
     legend = "".join(
@@ -137,12 +143,38 @@ def timeline_svg(merged: dict) -> str:
         "<style>.monarch-timeline text{font:11px var(--jp-code-font-family,monospace);"
         "fill:var(--jp-content-font-color1,#222)}.monarch-tl-row{stroke:var(--jp-border-color2,#ddd)}"
         ".monarch-tl-step{stroke:var(--jp-content-font-color3,#999);stroke-dasharray:3 3}"
-        ".monarch-profile-summary tr.monarch-slowest td{color:var(--jp-error-color1,#c00);font-weight:600}</style>"
+        ".monarch-profile-summary tr.monarch-slowest td{color:var(--jp-error-color1,#c00);font-weight:600}.monarch-profile-why{font:12px var(--jp-code-font-family,monospace);padding:2px 0}</style>"
     )
     return (
         f"{style}<svg class='monarch-timeline' width='{label_w + WIDTH + 10}' height='{y + 4}' "
         f"xmlns='http://www.w3.org/2000/svg'>{axis}{legend}{''.join(parts)}</svg>"
     )
+
+
+def _coalesce(events: list[tuple[float, float, str, str]], px: float) -> list[tuple[float, float, str, str]]:
+    """Events of one kind less than a pixel apart drawn as one box ("3 ops: aten::mm, ..."), so that a loop of
+    thousands of small ops stays a small picture."""
+    out = []
+    for kind in _COLOURS:
+        run: list[tuple[float, float, str, str]] = []
+        end = 0.0
+        for ev in sorted(e for e in events if e[2] == kind):
+            if run and ev[0] > end + px:
+                out.append(_one_box(run, end))
+                run = []
+            end = max(end, ev[0] + ev[1]) if run else ev[0] + ev[1]
+            run.append(ev)
+        if run:
+            out.append(_one_box(run, end))
+    return out
+
+
+def _one_box(run: list[tuple[float, float, str, str]], end: float) -> tuple[float, float, str, str]:
+    if len(run) == 1:
+        return run[0]
+    counts = collections.Counter(n for *_, n in run)
+    shown = ", ".join(n for n, _ in counts.most_common(3)) + (", ..." if len(counts) > 3 else "")
+    return run[0][0], end - run[0][0], run[0][2], f"{len(run)} ops: {shown}"
 
 
 def _biggest(items: list[tuple[float, Any, int]]) -> set[tuple[Any, int]]:
