@@ -55,6 +55,13 @@ def mesh4():
     assert wait_gone(pids) == []
 
 
+@monarch.remote
+def _imports_inductor() -> bool:
+    import sys
+
+    return "torch._inductor" in sys.modules
+
+
 def test_a_profiled_tensor_engine_loop_writes_a_trace_per_rank_and_a_merged_one(mesh4, tmp_path):
     out = tmp_path / "traces"
     with mesh4.activate():
@@ -81,6 +88,8 @@ def test_a_profiled_tensor_engine_loop_writes_a_trace_per_rank_and_a_merged_one(
         assert {"forward", "grad_sync", "aten::mm"} <= names[r]
         assert sum(n.startswith("ProfilerStep#") for n in names[r]) == 2
     assert prof.result is not None and prof.result.summary is not None
+    # torch's profiler would import inductor (2 s per worker) to read one of its flags; nobody here compiled
+    assert _imports_inductor.on(mesh4)().values() == [False] * 4
     assert [s.rank for s in prof.result.summary.ranks] == [0, 1, 2, 3]
     assert all(s.steps == 2 and s.step_ms > 0 for s in prof.result.summary.ranks)
 

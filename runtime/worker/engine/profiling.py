@@ -7,12 +7,15 @@ needs no shared directory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import sys
 import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -62,14 +65,40 @@ def start(config: dict) -> None:
         with_flops=config.get("with_flops", False),
         experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True),
     )
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _inductor_left_alone():
         warnings.simplefilter("ignore")  # kineto's notes about CUPTI on a CPU machine
         _prof.__enter__()
 
 
 def step() -> None:
     if _prof is not None:
-        _prof.step()
+        with _inductor_left_alone():  # a step may prepare the trace (warmup begins)
+            _prof.step()
+
+
+@contextlib.contextmanager
+def _inductor_left_alone() -> Iterator[None]:
+    """torch's profiler asks `hasattr(torch, "_inductor")` to read a CUDA-graphs flag of inductor's, which
+    imports inductor and dynamo: 2 s per worker at a profile's start (4 workers on 2 cores made the first
+    profiled steps of a loop 4x slower). Where inductor is not imported, nobody compiled with it: say so."""
+    if "torch._inductor" in sys.modules:
+        yield
+        return
+    lazy = torch.__dict__.get("__getattr__")
+
+    def no_inductor(name: str) -> Any:
+        if name == "_inductor":
+            raise AttributeError(name)
+        return lazy(name)
+
+    if lazy is None:
+        yield
+        return
+    torch.__getattr__ = no_inductor
+    try:
+        yield
+    finally:
+        torch.__getattr__ = lazy
 
 
 def mark(name: str, enter: bool) -> None:
