@@ -282,42 +282,32 @@ class _CpuRecorder:
 
 
 # -- tensor-engine commands run inside a range named for the controller's line that issued them -------------
-_saved_execute: Any = None
-
-
 def _mark_commands() -> None:
     """While recording, each tensor command runs inside a `record_function` range named ``monarch-op@WHERE``:
     the CPU recorder reads it from the profiler, torch's CUDA history keeps it as an annotation."""
-    global _saved_execute
     from monarch.runtime.worker.engine import commands
 
-    if _saved_execute is not None:
-        return
-    run = _saved_execute = commands._execute
     enter = torch.ops.profiler._record_function_enter_new
     leave = torch.ops.profiler._record_function_exit._RecordFunction
 
-    def execute(cmd: Any) -> None:
+    def around(cmd: Any, handler: Any) -> None:
         where = getattr(cmd, "where", None)
         if where is None:
-            run(cmd)
+            handler(cmd)
             return
         handle = enter(_MARK + where, None)
         try:
-            run(cmd)
+            handler(cmd)
         finally:
             leave(handle)
 
-    commands._execute = execute
+    commands.around = around
 
 
 def _unmark_commands() -> None:
-    global _saved_execute
     from monarch.runtime.worker.engine import commands
 
-    if _saved_execute is not None:
-        commands._execute = _saved_execute
-        _saved_execute = None
+    commands.around = None
 
 
 def _entry(action: str, addr: int, size: int, frames: list, t: int) -> dict:

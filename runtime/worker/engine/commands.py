@@ -34,8 +34,16 @@ def run(batch: list) -> None:
             _execute(cmd)
 
 
+around: Any = None
+"""When set, `around(cmd, handler)` runs each command instead of `handler(cmd)` (memory recording runs each in a
+range named for the controller's line that issued it)."""
+
+
 def _execute(cmd: Any) -> None:
-    _HANDLERS[type(cmd)](cmd)
+    if around is None:
+        _HANDLERS[type(cmd)](cmd)
+    else:
+        around(cmd, _HANDLERS[type(cmd)])
 
 
 def _op(name: str):
