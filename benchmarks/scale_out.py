@@ -71,6 +71,12 @@ MONARCH = textwrap.dedent(
     def noop():
         return None
 
+    def bytes_per_call(f):  # bytes toward each host per live call
+        b0 = tx(H)
+        for _ in range(CPU_CALLS):
+            f()
+        return [(b - a) / CPU_CALLS for a, b in zip(b0, tx(H))]
+
     def op_bytes(mesh):  # bytes toward each host per tensor-engine op (a broadcast, no reply)
         with mesh.activate():
             x = torch.zeros(4)
@@ -103,20 +109,14 @@ MONARCH = textwrap.dedent(
                 x = x + 1
             cpu_op = (time.process_time() - c0) / OPS
         assert torch.equal(monarch.inspect(x), torch.full((4,), float(OPS + 200)))
-        b0 = tx(H)
-        for _ in range(CPU_CALLS):
-            f()
-        per_host = [(b - a) / CPU_CALLS for a, b in zip(b0, tx(H))]
+        per_host = bytes_per_call(f)
         op1 = op_bytes(mesh)
         mesh.exit()
         mesh2 = job.spawn_procs({"gpu": 2 * W})
         f2 = noop.on(mesh2)
         for _ in range(30):
             f2()
-        b0 = tx(H)
-        for _ in range(CPU_CALLS):
-            f2()
-        per_host2 = [(b - a) / CPU_CALLS for a, b in zip(b0, tx(H))]
+        per_host2 = bytes_per_call(f2)
         op2 = op_bytes(mesh2)
         mesh2.exit()
     finally:

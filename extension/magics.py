@@ -339,6 +339,15 @@ def _parse_on(text: str) -> tuple[str, int | slice]:
 _loaded: dict[int, MeshMagics] = {}
 
 
+def notebook_mesh(shell: Any) -> Any:
+    """The mesh `shell`'s last `%%mesh` cell ran on (what `%mesh` commands act on), if it still runs."""
+    loaded = _loaded.get(id(shell))
+    for view in (getattr(loaded, "current", None), getattr(loaded, "implicit", None)):
+        if view is not None and view.state == "running":
+            return view
+    return None
+
+
 def load(ip) -> None:
     """Register the magics and views with `ip`, and route workers' stdin through it."""
     if id(ip) in _loaded:

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from monarch.runtime.remote import Future, ValueMesh, remote
 
 
-_SUBMODULES = {"memory"}
+_SUBMODULES = {"memory", "profiler"}
 """Public modules reachable after a bare `import monarch` (`monarch.memory.dump_memory_snapshot()`)."""
 
 

@@ -15,7 +15,9 @@ a script gets the summary on stderr. See `monarch.runtime.profiler` for the deta
 from __future__ import annotations
 
 import sys
+from typing import Any
 
+from monarch._default_mesh import default_mesh
 from monarch.runtime.profiler import ProfileResult, Schedule, record_function
 from monarch.runtime.profiler import profile as _profile
 
@@ -24,6 +26,9 @@ __all__ = ["profile", "record_function", "Schedule", "ProfileResult", "show"]
 
 class profile(_profile):
     __doc__ = _profile.__doc__
+
+    def _default_mesh(self) -> Any:
+        return default_mesh(None)  # in a notebook: the %%mesh cells' mesh
 
     def _show(self, result: ProfileResult) -> None:
         if self._local is None and not show(result):

@@ -163,23 +163,14 @@ def dump_memory_snapshot(dir_snapshots: str | os.PathLike = "./snapshots/", *, m
 
 def _target(what: str, mesh: Any) -> Any:
     """The mesh view to act on, or None for this worker alone."""
-    from monarch.runtime.mesh import ProcMesh, active_mesh
+    from monarch.runtime.mesh import mesh_to_act_on
 
-    if mesh is not None:
-        if not isinstance(mesh, ProcMesh):
-            raise ValueError(f"{what}(mesh={mesh!r}): give a ProcMesh (from spawn_procs, or a view of one)")
-        if context.worker is not None:
-            raise ValueError(f"{what}(mesh=...): on a worker, it acts on this worker alone; leave mesh out")
-        return mesh
-    if context.worker is not None:
-        return None
-    found = active_mesh()
-    if found is None:
-        raise ValueError(
-            f"monarch.memory.{what}: no mesh to act on; call it inside `with mesh.activate():`, pass mesh=..., "
-            "or run a %%mesh cell first (in a notebook the %%mesh cells' mesh is used)"
-        )
-    return found
+    return mesh_to_act_on(
+        what,
+        mesh,
+        f"monarch.memory.{what}: no mesh to act on; call it inside `with mesh.activate():`, pass mesh=..., "
+        "or run a %%mesh cell first (in a notebook the %%mesh cells' mesh is used)",
+    )
 
 
 def _call(target: Any, fn: str, args: tuple, name: str) -> dict[int, Any]:

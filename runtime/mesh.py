@@ -9,6 +9,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from monarch.runtime import protocol
 from monarch.runtime.groups import WORLD, ProcessGroupRef
@@ -21,6 +22,26 @@ _active: contextvars.ContextVar[ProcMesh | None] = contextvars.ContextVar("monar
 def active_mesh() -> ProcMesh | None:
     """The mesh of the innermost `with mesh.activate():`, if any."""
     return _active.get()
+
+
+def mesh_to_act_on(what: str, mesh: Any, missing: str) -> ProcMesh | None:
+    """The view a mesh-wide tool (the profiler, memory snapshots) acts on: `mesh` if given, else None on a
+    worker (the tool acts on that worker alone), else the innermost `mesh.activate()`'s; `ValueError(missing)`
+    when there is none."""
+    from monarch.runtime import context
+
+    if mesh is not None:
+        if not isinstance(mesh, ProcMesh):
+            raise ValueError(f"{what}(mesh={mesh!r}): give a ProcMesh (from spawn_procs, or a view of one)")
+        if context.worker is not None:
+            raise ValueError(f"{what}(mesh=...): on a worker, it acts on this worker alone; leave mesh out")
+        return mesh
+    if context.worker is not None:
+        return None
+    found = active_mesh()
+    if found is None:
+        raise ValueError(missing)
+    return found
 
 
 class HostMesh:

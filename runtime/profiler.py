@@ -17,6 +17,7 @@ Inside a live function or a `%%mesh` cell (on a worker) it profiles that worker 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import socket
@@ -54,6 +55,7 @@ class Schedule:
 
 
 ACTIVITIES = ("CPU", "CUDA")
+WORKER_MODULE = "monarch.runtime.worker.engine.profiling"
 
 
 @dataclass
@@ -129,19 +131,17 @@ class profile:
 
     # -- the mesh's workers ---------------------------------------------------------------------------
     def start(self) -> None:
-        from monarch.runtime.mesh import ProcMesh, active_mesh
+        from monarch.runtime.mesh import mesh_to_act_on
 
-        mesh = self.mesh if self.mesh is not None else active_mesh()
+        mesh = mesh_to_act_on(
+            "profile",
+            self.mesh if self.mesh is not None else self._default_mesh(),
+            "monarch.profiler.profile: no mesh to profile; use it inside `with mesh.activate():`, "
+            "pass mesh=..., or profile a %%mesh cell with `%%mesh --profile DIR`",
+        )
         if mesh is None:
-            if context.worker is not None:
-                self._start_local()
-                return
-            raise ValueError(
-                "monarch.profiler.profile: no mesh to profile; use it inside `with mesh.activate():`, "
-                "pass mesh=..., or profile a %%mesh cell with `%%mesh --profile DIR`"
-            )
-        if not isinstance(mesh, ProcMesh):
-            raise ValueError(f"profile(mesh={mesh!r}): give a ProcMesh")
+            self._start_local()
+            return
         spawned = mesh._spawned
         spawned.check_usable()
         if id(spawned) in _running:
@@ -177,7 +177,7 @@ class profile:
         try:
             from monarch.runtime.remote import RemoteFunction
 
-            got = RemoteFunction.by_name("monarch.runtime.worker.engine.profiling", "collect", mesh)
+            got = RemoteFunction.by_name(WORKER_MODULE, "collect", mesh)
             values = got.start((), {}, name="collecting profiler traces").result().values()
             offsets = _clock_offsets(mesh, [v["host"] for v in values])
         finally:
@@ -200,6 +200,10 @@ class profile:
             return
         self._show(self.stop())
 
+    def _default_mesh(self) -> Any:
+        """The mesh to profile when none is given and none is active (the notebook's face names its own)."""
+        return None
+
     def _show(self, result: ProfileResult) -> None:
         """Say what was written (a script's stderr); the notebook's face shows the timeline instead."""
         if self._local is None and sys.stderr is not None:
@@ -207,8 +211,7 @@ class profile:
 
     # -- this worker alone (inside a live function or a %%mesh cell) -------------------------------------
     def _start_local(self) -> None:
-        from monarch.runtime.worker.engine import profiling
-
+        profiling = importlib.import_module(WORKER_MODULE)  # by name: controller code never imports worker code
         profiling.start(self.config)
         self._local = profiling
 

@@ -7,6 +7,7 @@ Plain JSON in, plain JSON out: no torch here, so the controller can read traces 
 from __future__ import annotations
 
 import re
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,9 +217,7 @@ def _name_slowest(s: Summary) -> None:
     key = {r.rank: (r.step_ms - r.comm_ms) if comm else r.step_ms for r in s.ranks}
     slow = max(s.ranks, key=lambda r: key[r.rank])
     others = sorted(key[r.rank] for r in s.ranks if r is not slow)
-    median = (
-        others[len(others) // 2] if len(others) % 2 else (others[len(others) // 2 - 1] + others[len(others) // 2]) / 2
-    )
+    median = statistics.median(others)
     step = sum(r.step_ms for r in s.ranks) / len(s.ranks)
     what = "ms per step outside communication" if comm else "ms per step"
     spread = f"the others {others[0]:.2f}-{others[-1]:.2f}"
