@@ -26,6 +26,7 @@ __all__ = [
     "grad_generator",
     "Stream",
     "get_active_stream",
+    "Simulator",
 ]
 
 _EXPORTS = {
@@ -45,6 +46,7 @@ _EXPORTS = {
     "Stream": "monarch.runtime.tensor.streams",
     "get_active_stream": "monarch.runtime.tensor.streams",
     "show": "monarch.extension.show",
+    "Simulator": "monarch.simulator",
 }
 
 if TYPE_CHECKING:

@@ -362,6 +362,24 @@ def _check_distributed_tensors(nb) -> None:
     assert len(_numbers(out)) == 12 and min(_numbers(out)) >= 0
     assert _rows(_text(pipeline).split("ProcMesh {gpu: 2}", 1)[1]) == [("0", "2"), ("1", "3")]
 
+    # The simulator, where the tutorial uses it: after each version of train, a timeline of 4 simulated ranks
+    # (plain SVG, no script), its overlap line; nothing overlaps on one stream or with the early drop, some does
+    # with the late drop.
+    sims = [c for c in _code_cells(nb) if c.source.rstrip().endswith("simulate()")]
+    assert len(sims) == 3
+    overlaps = []
+    for sim in sims:
+        html = _text(sim, "text/html")
+        assert "<svg class='monarch-timeline'" in html and "<script" not in html
+        assert "monarch.Simulator on h100 (datasheet)" in html
+        assert all(f"data-rank='{r}'" in html for r in range(4)) and "data-rank='4'" not in html
+        found = re.findall(r"communication overlapped with compute: (\d+)% \(per rank\)", html)
+        assert len(found) == 1, html
+        overlaps.append(int(found[0]))
+        assert "peak memory: " in html
+    print("simulated overlap per variant:", overlaps)
+    assert overlaps[0] == 0 and overlaps[1] == 0 and overlaps[2] > 0, overlaps
+
     # DDP: every run prints 8 steps of a falling loss (the plain one, and the streams variants if present).
     runs = [c for c in _code_cells(nb) if c.source.rstrip().endswith("run_ddp()")]
     assert len(runs) == 3  # plain grad_generator, then the two streams variants

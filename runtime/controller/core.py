@@ -73,16 +73,16 @@ class Controller:
         atexit.register(self.shutdown)
 
     # -- meshes ------------------------------------------------------------------------------------
-    def spawn(self, sizes: dict[str, int], backend: Any = None) -> SpawnedMesh:
+    def spawn(self, sizes: dict[str, int], backend: Any = None, announce: bool = True) -> SpawnedMesh:
         """Start one worker per point of `sizes` (on this machine, or with `backend`, on a job's hosts);
-        return when all are ready."""
+        return when all are ready. `announce=False`: no progress shown (a simulated mesh starts at once)."""
         shape = Shape.from_sizes(sizes)
         with self._spawn_lock:
             mesh_id = next(self._mesh_ids)
         labels = [shape.label(c) for c, _ in shape.points()]
         mesh = SpawnedMesh(self, mesh_id, shape, labels, backend=backend or self.backend)
         self.meshes[mesh_id] = mesh
-        progress = self.spawn_progress(shape.describe(), len(shape))
+        progress = self.spawn_progress(shape.describe(), len(shape)) if announce else SpawnProgress("", 0)
         _log.info("mesh %d %s: starting %d workers", mesh_id, shape.describe(), len(shape))
         started = time.monotonic()
         try:

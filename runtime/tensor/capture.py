@@ -42,8 +42,8 @@ def activate(mesh) -> Iterator[None]:
     token = capturing.set(mesh)
     try:
         with contextlib.ExitStack() as stack:
-            if engine.cpu_only:
-                stack.enter_context(patches.CudaMeansCpu())
+            if engine.cpu_only or engine.simulated_cuda:
+                stack.enter_context(patches.CudaMeansCpu(warn=not engine.simulated_cuda))
             stack.enter_context(_Capture(mesh))
             yield
     finally:

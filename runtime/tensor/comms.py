@@ -116,19 +116,23 @@ _MOVES = threading.Lock()
 
 def grad_generator(loss: Tensor, params, grad_outputs=None):
     """Gradients of `loss` for `params`, yielded one at a time in the order given (pass the
-    parameters last layer first), while the rest of the backward pass is still being issued, so
-    reductions of early gradients interleave with it.
+    parameters last layer first), the backward pass issued incrementally: only as far as the next
+    gradient asked for, so that what the loop issues for one gradient (its reduction, say) lands
+    between the backward ops before it and those after it, the same way on every run.
     """
     params = list(params)
     ready: list = [None] * len(params)
     cond = threading.Condition()
-    state: dict = {"done": False, "error": None, "result": None}
+    state: dict = {"done": False, "error": None, "result": None, "want": None, "closed": False}
 
     def hook(i):
         def put(g):
             with cond:
                 ready[i] = g
                 cond.notify_all()
+                # lockstep: go on with the backward pass only once the loop asks for a gradient not made yet
+                while not state["closed"] and (state["want"] is None or ready[state["want"]] is not None):
+                    cond.wait()
             return g
 
         return put
@@ -153,13 +157,19 @@ def grad_generator(loss: Tensor, params, grad_outputs=None):
     try:
         for i in range(len(params)):
             with cond:
+                state["want"] = i
+                cond.notify_all()
                 while ready[i] is None and not state["done"]:
                     cond.wait()
+                state["want"] = None
                 if state["error"] is not None:
                     raise state["error"]
                 g = ready[i] if ready[i] is not None else state["result"][i]
             yield g
     finally:
+        with cond:
+            state["closed"] = True  # (an abandoned loop: the backward pass runs to its end)
+            cond.notify_all()
         worker.join()
         for h in handles:
             h.remove()

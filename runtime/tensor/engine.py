@@ -43,6 +43,9 @@ class Engine:
         self.specs: dict[tuple, Any] = {}
         """Output metadata of ops already seen, by op and input metadata: most ops skip fake tensors."""
         self.cpu_only = all(info.get("device", "cpu").startswith("cpu") for info in spawned.info)
+        simulated = bool(spawned.info) and all(info.get("simulated") for info in spawned.info)
+        self.simulated_cuda = simulated and not self.cpu_only and not torch.cuda.is_available()
+        """A simulated GPU mesh on a controller without CUDA: "cuda" tensors get CPU metadata, silently."""
 
     def push(self, ranks: tuple[int, ...], cmd: Any, stream: Stream | None = None) -> None:
         """Queue `cmd` (a `protocol` tensor command) for `ranks`, on `stream` (default: the active one)."""

@@ -20,10 +20,25 @@ class CudaMeansCpu(TorchFunctionMode):
     """On a mesh without CUDA, "cuda" means the CPU: `device="cuda"`, the default device set by
     `torch.set_default_device("cuda")`, `t.to("cuda")`, `t.cuda()` and `module.to("cuda")`.
 
-    Runs before torch parses the arguments, which would otherwise try to initialize CUDA here.
+    Runs before torch parses the arguments, which would otherwise try to initialize CUDA here. `warn=False`
+    for a simulated GPU mesh on a controller without CUDA: its metadata says CPU, its costs are the GPU's.
     """
 
+    def __init__(self, warn: bool = True) -> None:
+        super().__init__()
+        self.warn = warn
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        global _warned_cuda
+        if not self.warn:
+            _warned_cuda, was = True, _warned_cuda
+            try:
+                return self._map(func, args, kwargs)
+            finally:
+                _warned_cuda = was
+        return self._map(func, args, kwargs)
+
+    def _map(self, func, args, kwargs):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             _warn_cuda()

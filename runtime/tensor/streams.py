@@ -28,6 +28,7 @@ class Stream:
             raise ValueError(f"Stream(name): name must be a non-empty string, got {name!r}")
         self.name = name
         self.id = next(_ids) if _id is None else _id
+        _names[self.id] = name
 
     @contextlib.contextmanager
     def activate(self) -> Iterator[Stream]:
@@ -46,6 +47,16 @@ class Stream:
 
     def __repr__(self) -> str:
         return f"Stream({self.name!r})"
+
+
+_names: dict[int, str] = {}
+"""Stream id -> name, of every stream made (a few strings; kept after a stream is gone, whose commands a
+simulator's trace still shows)."""
+
+
+def stream_names() -> dict[int, str]:
+    """Stream id -> name (the simulator's trace names its tracks with them)."""
+    return dict(_names)
 
 
 MAIN = Stream("main", _id=0)

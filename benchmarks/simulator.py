@@ -1,0 +1,238 @@
+"""The simulator checked against reality: the tutorial's DDP step (its three variants) and a small
+transformer's training step, simulated with this machine's calibrated CPU profile and measured on a real
+CPU mesh of the same shape, side by side in one run.
+
+Reported per program: step time (median over measured steps, each ended by fetching a value, as a notebook
+does), peak memory above the step's start (real: `monarch.memory`'s CPU recording; simulated: the model's
+allocations), and the overlap of communication with compute (real: `monarch.profiler`'s summary of one
+profiled step; simulated: the simulator's summary). The error is (simulated - measured) / measured.
+
+    python benchmarks/simulator.py [--workers 4] [--steps 6] [--profile PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn as nn
+
+import monarch
+from monarch.actor import this_host
+from monarch.runtime.simulator import Simulator
+
+
+class Net(nn.Module):  # the tutorial's
+    def __init__(self):
+        super().__init__()
+        layers = []
+        for _ in range(8):
+            layers.append(nn.Linear(4, 4))
+            layers.append(nn.ReLU())
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, input, target):
+        return torch.nn.functional.cross_entropy(self.layers(input), target)
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block, attention written out (so its FLOPs are matmuls)."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / (d // self.heads) ** 0.5)
+        y = (att.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.mlp(self.ln2(x))
+
+
+class Tiny(nn.Module):
+    def __init__(self, vocab=256, d=128, layers=2, heads=4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.Sequential(*[Block(d, heads) for _ in range(layers)])
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input, target):
+        logits = self.head(self.blocks(self.emb(input)))
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), target.view(-1))
+
+
+COMMS: list = []
+
+
+def variant(v: int):
+    def train(model, input, target):
+        loss = model(input, target)
+        rparameters = list(reversed(list(model.parameters())))
+        grads = monarch.grad_generator(loss, rparameters)
+        comms = COMMS[0]
+        with torch.no_grad():
+            if v == 1:
+                it = iter(zip(rparameters, grads))
+                todo = next(it, None)
+                while todo is not None:
+                    param, grad = todo
+                    grad.reduce_("dp", "sum")
+                    todo = next(it, None)
+                    param += 0.01 * grad
+                return loss
+            it = iter((p, g, *comms.borrow(g, mutable=True)) for p, g in zip(rparameters, grads))
+            todo = next(it, None)
+            while todo is not None:
+                param, grad, comm_grad, borrow = todo
+                with comms.activate():
+                    comm_grad.reduce_("dp", "sum")
+                if v == 2:
+                    borrow.drop()
+                todo = next(it, None)
+                if v == 3:
+                    borrow.drop()
+                param += 0.01 * grad
+        return loss
+
+    return train
+
+
+PROGRAMS = {
+    "DDP variant 1 (one stream)": (Net, variant(1), lambda: (torch.rand(3, 4), torch.full((3,), 1, dtype=torch.int64))),
+    "DDP variant 2 (drop at once)": (
+        Net,
+        variant(2),
+        lambda: (torch.rand(3, 4), torch.full((3,), 1, dtype=torch.int64)),
+    ),
+    "DDP variant 3 (drop late)": (Net, variant(3), lambda: (torch.rand(3, 4), torch.full((3,), 1, dtype=torch.int64))),
+    "transformer, 2 blocks d=128 (variant 3)": (
+        Tiny,
+        variant(3),
+        lambda: (torch.randint(0, 256, (8, 64)), torch.randint(0, 256, (8, 64))),
+    ),
+}
+
+
+def steps(mesh, make, train, data, n: int, clock, between=None) -> tuple[list[float], object]:
+    """Step times (each ended by fetching the loss), by `clock`."""
+    with mesh.activate():
+        torch.manual_seed(0)
+        model = make()
+    times = []
+    for i in range(n):
+        if between is not None:
+            between(i)
+        t = clock()
+        with mesh.activate():
+            loss = train(model, *data())
+        monarch.inspect(loss)
+        times.append(clock() - t)
+    return times, model
+
+
+def real_side(mesh, make, train, data, n: int) -> dict:
+    times, model = steps(mesh, make, train, data, n, time.perf_counter)
+    # peak memory above the step's start, from monarch.memory's recording of one step
+    with tempfile.TemporaryDirectory() as d:
+        monarch.memory.record_memory_history(mesh=mesh)
+        with mesh.activate():
+            loss = train(model, *data())
+        monarch.inspect(loss)
+        monarch.memory.dump_memory_snapshot(d, mesh=mesh)
+        monarch.memory.record_memory_history(None, mesh=mesh)
+        peaks = []
+        for f in sorted(os.listdir(d)):
+            with open(os.path.join(d, f), "rb") as fh:
+                snap = pickle.load(fh)
+            level = peak = 0
+            for ev in (ev for trace in snap["device_traces"] for ev in trace):
+                level += (
+                    ev["size"] if ev["action"] == "alloc" else -ev["size"] if ev["action"] == "free_completed" else 0
+                )
+                peak = max(peak, level)
+            peaks.append(peak)
+    # overlap, from monarch.profiler's summary of one profiled step
+    with tempfile.TemporaryDirectory() as d:
+        with mesh.activate(), monarch.profiler.profile(on_trace_ready=d, mesh=mesh, activities=["CPU"]) as prof:
+            loss = train(model, *data())
+            prof.step()
+        monarch.inspect(loss)
+        summary = prof.result.summary if prof.result is not None else None
+    overlaps = [r.overlap_pct or 0.0 for r in summary.ranks] if summary is not None else []  # percent
+    return {"step": statistics.median(times[2:]), "peak": statistics.median(peaks), "overlap": _mean(overlaps)}
+
+
+def sim_side(profile, hosts: int, gpus: int, make, train, data, n: int) -> dict:
+    sim = Simulator(hosts=hosts, gpus=gpus, device=profile)
+    mesh = sim.mesh.rename(gpu="dp")
+    clock = lambda: sim.time  # noqa: E731
+    times, model = steps(mesh, make, train, data, n, clock)
+    sim.reset()
+    with mesh.activate():
+        loss = train(model, *data())
+    monarch.inspect(loss)
+    s = sim.summary()
+    peak = statistics.median(p - int(b) for p, b in zip(s.peak_bytes, sim._backend.workers.baseline))
+    overlaps = [v or 0.0 for v in s.overlap().values()]
+    sim.exit()
+    return {"step": statistics.median(times[2:]), "peak": peak, "overlap": 100 * _mean(overlaps)}
+
+
+def _mean(xs) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--profile", default=None, help="a calibrated profile (default: calibrate now)")
+    args = ap.parse_args()
+    COMMS.append(monarch.Stream("comms"))
+    profile_path = args.profile or os.path.join(tempfile.mkdtemp(), "calibrated.json")
+    if args.profile is None:
+        Simulator.calibrate(profile_path, workers=args.workers)
+    mesh = this_host().spawn_procs({"gpu": args.workers}).rename(gpu="dp")
+    print(f"{os.cpu_count()} cores, {args.workers} CPU workers, torch {torch.__version__}; profile {profile_path}")
+    print(f"{'program':<42}{'step ms real':>13}{'sim':>8}{'err':>8}{'peak KiB real':>15}{'sim':>9}{'err':>8}"
+          f"{'overlap % real':>16}{'sim':>7}")  # fmt: skip
+    rows = []
+    for name, (make, train, data) in PROGRAMS.items():
+        real = real_side(mesh, make, train, data, args.steps)
+        sim = sim_side(profile_path, 1, args.workers, make, train, data, args.steps)
+        e_step = (sim["step"] - real["step"]) / real["step"]
+        e_peak = (sim["peak"] - real["peak"]) / real["peak"] if real["peak"] else float("nan")
+        rows.append((name, real, sim))
+        print(f"{name:<42}{1000 * real['step']:>13.2f}{1000 * sim['step']:>8.2f}{100 * e_step:>7.0f}%"
+              f"{real['peak'] / 1024:>15.1f}{sim['peak'] / 1024:>9.1f}{100 * e_peak:>7.0f}%"
+              f"{real['overlap']:>16.1f}{sim['overlap']:>7.1f}", flush=True)  # fmt: skip
+    mesh.exit()
+    real_o = [rows[i][1]["overlap"] for i in range(3)]
+    sim_o = [rows[i][2]["overlap"] for i in range(3)]
+
+    def order(o: list) -> str:  # "1 = 2 < 3": ties within 0.05 percentage points
+        idx = sorted(range(3), key=lambda i: o[i])
+        out = str(idx[0] + 1)
+        for a, b in zip(idx, idx[1:]):
+            out += (" = " if abs(o[b] - o[a]) < 0.05 else " < ") + str(b + 1)
+        return out
+
+    print(f"overlap %, variants 1-3: real {[round(x, 2) for x in real_o]} ({order(real_o)}), simulated "
+          f"{[round(x, 2) for x in sim_o]} ({order(sim_o)}): {'same order' if order(real_o) == order(sim_o) else 'DIFFERENT order'}")  # fmt: skip
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

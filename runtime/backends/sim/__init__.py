@@ -1,0 +1,218 @@
+"""The simulator's backend: a mesh whose workers are simulated (see `model`), behind the same seam as real ones.
+
+Tensor-engine batches are run on fake tensors against the device's cost model; process groups are noted;
+a fetched value (`monarch.inspect`) is answered with a tensor of the right shape and dtype whose values
+were not computed (NaN for floating point, zeros otherwise), and says so once. Live functions and
+`%%mesh` cells need real workers: their calls fail, saying so.
+
+The controller's own time counts: between two messages the controller's clock moves by the wall time the
+user's program took (the simulator's own work left out), so what the controller does in Python — building
+modules, autograd, computing metadata — is in the timeline as it would be in a real run.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from monarch.runtime import protocol as P
+from monarch.runtime import wire
+from monarch.runtime.backends.base import Backend
+from monarch.runtime.backends.sim.devices import DeviceProfile
+from monarch.runtime.backends.sim.model import SimWorkers
+from monarch.runtime.shape import Shape
+
+FETCH = ("monarch.runtime.worker.engine.table", "fetch")
+"""The worker function `monarch.inspect` calls, by name."""
+
+
+class _NoReplies:
+    """A simulated mesh's replies go straight to the controller (`deliver`); nothing arrives here."""
+
+    reply_fd = -1
+
+    def recv(self, block: bool) -> Any:
+        return None
+
+    def poll_briefly(self, seconds: float) -> Any:
+        return None
+
+    def set_timeout(self, ms: int) -> None:
+        pass
+
+    def poke(self) -> None:
+        pass
+
+
+class SimBackend(Backend):
+    """Runs one simulated mesh of ``{"host": hosts, "gpu": gpus}`` workers on `dev`."""
+
+    def __init__(self, dev: DeviceProfile, gpus_per_host: int, deliver: Callable[[Any], Any]) -> None:
+        self.dev = dev
+        self.gpus_per_host = gpus_per_host
+        self.deliver = deliver
+        """The controller's handler of messages from workers (`Receiver.handle`)."""
+        self.replies = _NoReplies()
+        self.workers: SimWorkers | None = None
+        self.mesh_id = -1
+        self.fns: dict[int, tuple[str, str] | None] = {}
+        """Function id -> (module, name) of a worker function called by name, or None (a live function)."""
+        self.lock = threading.Lock()
+        self.clock = 0.0
+        """The controller's simulated time (seconds)."""
+        self._mark = time.perf_counter()
+        self.controller_spans: list[tuple[float, float, str]] = []
+        self.warned = False
+        self._seq = 0
+
+    # -- the controller's clock ----------------------------------------------------------------------
+    def _enter(self) -> None:
+        now = time.perf_counter()
+        self.clock += now - self._mark
+
+    def _leave(self) -> None:
+        self._mark = time.perf_counter()
+
+    def now(self) -> float:
+        """The controller's simulated time now (its wall time since the last message included)."""
+        with self.lock:
+            return self.clock + (time.perf_counter() - self._mark)
+
+    # -- the seam ------------------------------------------------------------------------------------
+    def start(self, mesh_id: int, shape: Shape, labels: list[str], progress=None) -> list[dict]:
+        assert self.workers is None, "one mesh per simulator"
+        self.mesh_id = mesh_id
+        n = len(shape)
+        self.workers = SimWorkers(self.dev, n, np.arange(n) // self.gpus_per_host)
+        device = "cpu" if self.dev.kind == "cpu" else "cuda:{}"
+        return [
+            {
+                "pid": None,
+                "host": f"sim-host{r // self.gpus_per_host}",
+                "device": device.format(r % self.gpus_per_host),
+                "simulated": self.dev.name,
+            }  # fmt: skip
+            for r in range(n)
+        ]
+
+    def send(self, mesh_id: int, ranks: tuple[int, ...] | None, message: Any, body: list | None = None) -> None:
+        w = self.workers
+        assert w is not None and mesh_id == self.mesh_id
+        reply = None
+        with self.lock:
+            self._enter()
+            try:
+                idx = np.arange(w.size) if ranks is None else np.asarray(ranks, dtype=np.int64)
+                t = type(message)
+                if t is P.RunOps:
+                    batch = P.unpack_commands(wire.loads(body[0], body[1:]))
+                    sent = self.clock
+                    arrival = sent + self.dev.wire_latency
+                    w.run_batch(idx, batch, arrival)
+                    self.controller_spans.append((sent, sent, f"sent {len(batch)} commands"))
+                elif t is P.MakeGroups:
+                    w.groups[message.gid] = message.partition
+                elif t is P.Call:
+                    reply = self._call(message, body)
+            finally:
+                self._leave()
+        if reply is not None:
+            for env in reply:
+                self.deliver(env)
+
+    def _call(self, msg: P.Call, body: list | None) -> list:
+        if msg.fn is not None:
+            self.fns[msg.fid] = _named(msg.fn)
+        name = self.fns.get(msg.fid)
+        w = self.workers
+        out = []
+        if name == FETCH:
+            (ref,), _ = wire.loads(body[0], body[1:])
+            ready = max(w.synced(r) for r in msg.ranks)
+            start = self.clock
+            self.clock = max(self.clock, ready + self.dev.wire_latency)
+            self.controller_spans.append((start, self.clock, "fetch a value"))
+            if not self.warned:
+                self.warned = True
+                out.append(self._envelope(msg.ranks[0], P.Output(msg.call_id, "stderr", _NOT_COMPUTED)))
+            for r in msg.ranks:
+                fake = w.fake_of(ref)
+                if fake is None:
+                    err = P.ErrorInfo(
+                        "KeyError",
+                        f"tensor {ref} is not on this simulated worker (freed, or an op that made it failed)",
+                        "",
+                    )
+                    out.append(self._envelope(r, P.Reply(msg.call_id, False), wire.dumps(err)))
+                else:
+                    out.append(self._envelope(r, P.Reply(msg.call_id, True), wire.dumps(_placeholder(fake))))
+            return out
+        what = f"{name[0]}.{name[1]}" if name else "a live function or a %%mesh cell"
+        err = P.ErrorInfo(
+            "RuntimeError",
+            f"{what} cannot run on a simulated mesh: it has no worker processes, only a cost model of the tensor "
+            "engine's commands. Run it on a mesh from this_host().spawn_procs(...)",
+            "",
+        )
+        return [self._envelope(r, P.Reply(msg.call_id, False), wire.dumps(err)) for r in msg.ranks]
+
+    def _envelope(self, rank: int, message: Any, body: list | None = None) -> wire.Envelope:
+        self._seq += 1
+        body = body or [b""]
+        return wire.Envelope(self.mesh_id, rank, self._seq, message, body[0], list(body[1:]))
+
+    def interrupt(self, mesh_id: int, ranks: tuple[int, ...], call_id: int) -> None:
+        pass  # a simulated call ends as it is sent
+
+    def control(self, mesh_id: int, ranks: tuple[int, ...], call_id: int, kind: int) -> None:
+        pass
+
+    def stop(self, mesh_id: int, graceful: bool) -> dict[int, int | None]:
+        n = self.workers.size if self.workers is not None else 0
+        return dict.fromkeys(range(n), 0)
+
+    def kill(self, mesh_id: int) -> None:
+        pass
+
+    def mark_gone(self, mesh_id: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+_NOT_COMPUTED = (
+    "monarch.Simulator: values are not computed on a simulated mesh; monarch.inspect returns a tensor of the "
+    "right shape and dtype filled with NaN (zeros for integers and booleans)\n"
+)
+
+
+def _placeholder(fake: Any) -> torch.Tensor:
+    shape, dtype = tuple(fake.shape), fake.dtype
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.full(shape, float("nan"), dtype=dtype)
+    return torch.zeros(shape, dtype=dtype)
+
+
+class _Peek(pickle.Unpickler):
+    """Reads a pickled function only as far as its name, if it is a worker function called by name."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("monarch.runtime.wire", "import_function"):
+            return lambda mod, qual: (mod, qual)
+        raise pickle.UnpicklingError("a function shipped by value")
+
+
+def _named(blob: bytes) -> tuple[str, str] | None:
+    try:
+        got = _Peek(io.BytesIO(blob)).load()
+    except Exception:
+        return None
+    return got if isinstance(got, tuple) else None

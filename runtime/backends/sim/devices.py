@@ -1,0 +1,187 @@
+"""What the simulator knows of a device: peak rates from datasheets, or a profile measured on this machine.
+
+A `DeviceProfile` holds the numbers the cost model needs. The table's GPU entries come from NVIDIA's
+datasheets (SXM parts, dense math) and typical interconnects: NVLink within a host, one InfiniBand port
+per GPU across hosts. `monarch.Simulator.calibrate()` measures the local device and saves a profile as
+JSON; pass its path (or ``device="local"``) to use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Rates and overheads of one kind of worker (a GPU, or a CPU worker of this machine)."""
+
+    name: str
+    """``h100``, ``cpu``, or what a calibration called it."""
+    kind: str
+    """``gpu`` or ``cpu``: on a CPU worker the main stream runs on the thread that takes commands, so a
+    wait on it holds back every later command; on a GPU a stream is a queue the thread only feeds."""
+    flops: dict[str, float]
+    """Peak FLOP/s per dtype name (``float32``, ``bfloat16``, ...); ``default`` for the rest."""
+    mem_bw: float
+    """Bytes per second an elementwise op moves (read plus write)."""
+    efficiency: float
+    """The share of peak FLOP/s a large matmul reaches."""
+    op_overhead: float
+    """Seconds every op costs on its stream beyond its FLOPs and bytes (a kernel launch, ATen's dispatch)."""
+    dispatch: float
+    """Seconds the worker's command thread spends per command (receiving it, finding its tensors)."""
+    intra_latency: float
+    """Seconds per step of a collective between workers of one host."""
+    intra_bw: float
+    """Bytes per second per worker between workers of one host (NVLink, shared memory)."""
+    inter_latency: float
+    """Seconds per step of a collective that crosses hosts."""
+    inter_bw: float
+    """Bytes per second per worker across hosts (its network port)."""
+    wire_latency: float = 50e-6
+    """Seconds from the controller to a worker and back, once (a batch's arrival, a fetched value's return)."""
+    memory: int = 0
+    """Bytes of device memory (0: not known); a rank that needs more is flagged."""
+    alloc_round: int = 1
+    """Allocations are rounded up to a multiple of this many bytes (512 on CUDA's caching allocator)."""
+    source: str = "datasheet"
+    """Where the numbers come from: ``datasheet``, or ``calibrated on HOST, DATE``."""
+    measured: dict = field(default_factory=dict)
+    """What a calibration measured, as it measured it (for people)."""
+
+    def peak(self, dtype_name: str) -> float:
+        return self.flops.get(dtype_name, self.flops.get("default", 1e12))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.source})"
+
+
+_TF = 1e12
+_GB = 1e9
+DEVICES: dict[str, DeviceProfile] = {
+    "a100": DeviceProfile(
+        name="a100",
+        kind="gpu",
+        flops={
+            "float32": 19.5 * _TF,
+            "tfloat32": 156 * _TF,
+            "bfloat16": 312 * _TF,
+            "float16": 312 * _TF,
+            "float64": 9.7 * _TF,
+            "int8": 624 * _TF,
+            "default": 19.5 * _TF,
+        },  # fmt: skip
+        mem_bw=2039 * _GB,
+        efficiency=0.75,
+        op_overhead=5e-6,
+        dispatch=15e-6,
+        intra_latency=8e-6,
+        intra_bw=240 * _GB,
+        inter_latency=12e-6,
+        inter_bw=23 * _GB,
+        memory=80 * 2**30,
+        alloc_round=512,
+    ),
+    "h100": DeviceProfile(
+        name="h100",
+        kind="gpu",
+        flops={
+            "float32": 67 * _TF,
+            "tfloat32": 495 * _TF,
+            "bfloat16": 989 * _TF,
+            "float16": 989 * _TF,
+            "float8_e4m3fn": 1979 * _TF,
+            "float64": 34 * _TF,
+            "int8": 1979 * _TF,
+            "default": 67 * _TF,
+        },  # fmt: skip
+        mem_bw=3350 * _GB,
+        efficiency=0.7,
+        op_overhead=4e-6,
+        dispatch=12e-6,
+        intra_latency=6e-6,
+        intra_bw=370 * _GB,
+        inter_latency=10e-6,
+        inter_bw=46 * _GB,
+        memory=80 * 2**30,
+        alloc_round=512,
+    ),
+    "cpu": DeviceProfile(
+        name="cpu",
+        kind="cpu",
+        flops={"float32": 50e9, "float64": 25e9, "bfloat16": 10e9, "float16": 5e9, "default": 50e9},
+        mem_bw=10 * _GB,
+        efficiency=0.8,
+        op_overhead=10e-6,
+        dispatch=25e-6,
+        intra_latency=60e-6,
+        intra_bw=2 * _GB,
+        inter_latency=120e-6,
+        inter_bw=1 * _GB,
+        source="a typical core, not measured: monarch.Simulator.calibrate() measures this machine",
+    ),
+}
+DEVICES["h200"] = dataclasses.replace(DEVICES["h100"], name="h200", mem_bw=4800 * _GB, memory=141 * 2**30)
+DEVICES = {k: DEVICES[k] for k in ("a100", "h100", "h200", "cpu")}
+"""Devices by name. GPU rates: NVIDIA's datasheets (SXM, dense); NVLink and InfiniBand bandwidth per GPU
+as a collective sees it (bus bandwidth), a little under the links' peak."""
+
+
+def profile_dir() -> Path:
+    """Where `calibrate()` saves profiles: ``$MONARCH_SIM_PROFILES`` or ``~/.cache/monarch/sim``."""
+    return Path(os.environ.get("MONARCH_SIM_PROFILES") or Path.home() / ".cache" / "monarch" / "sim")
+
+
+def local_profile_path() -> Path:
+    return profile_dir() / f"{socket.gethostname()}.json"
+
+
+def load(path: str | os.PathLike) -> DeviceProfile:
+    """A profile saved by `calibrate()`; ValueError naming the file if it is not one."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+        fields = {f.name for f in dataclasses.fields(DeviceProfile)}
+        missing = fields - set(data) - {"wire_latency", "memory", "alloc_round", "source", "measured"}
+        if missing or not isinstance(data, dict):
+            raise ValueError(f"missing {', '.join(sorted(missing))}")
+        return DeviceProfile(**{k: v for k, v in data.items() if k in fields})
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(
+            f"Simulator: {p} is not a device profile saved by monarch.Simulator.calibrate(): {e}"
+        ) from None
+
+
+def resolve(device: str | DeviceProfile) -> DeviceProfile:
+    """`device` as a profile: a table name, ``"local"`` (this machine's calibration), or a profile's path."""
+    if isinstance(device, DeviceProfile):
+        return device
+    allowed = (
+        f"{', '.join(DEVICES)}, 'local' (this machine, after monarch.Simulator.calibrate()), or a profile's .json path"
+    )
+    if not isinstance(device, str | os.PathLike):
+        raise ValueError(f"Simulator: device must be a name, got {device!r}; use one of {allowed}")
+    name = str(device)
+    if name.lower() in DEVICES:
+        return DEVICES[name.lower()]
+    if name == "local":
+        path = local_profile_path()
+        if not path.exists():
+            raise ValueError(
+                f"Simulator: device='local' needs a calibration of this machine, and {path} does not exist; "
+                "run monarch.Simulator.calibrate() first"
+            )
+        return load(path)
+    if name.endswith(".json"):
+        if not Path(name).exists():
+            raise ValueError(f"Simulator: device profile {name} does not exist")
+        return load(name)
+    raise ValueError(f"Simulator: unknown device {name!r}; use one of {allowed}")

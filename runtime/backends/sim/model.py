@@ -1,0 +1,480 @@
+"""Simulated workers: the tensor commands of a mesh, run on fake tensors against a cost model.
+
+Every rank has a command thread (the *dispatch* clock) and one clock per stream. A batch arrives when the
+controller sent it; each command costs the command thread `dispatch`. On a CPU worker the main stream
+runs on the command thread itself (so a wait on it holds back every later command, as on a real CPU
+worker); on a GPU the main stream is a queue like the others. A borrow makes the borrowing stream wait for
+the point the origin stream had reached; its drop makes the origin wait for the borrower. A collective
+starts when the last rank of its group reaches it; the time the others wait is communication too, as in
+a real trace. Memory: a result that does not alias an input is an allocation (at its op's start); a
+storage is freed when the last handle naming it is freed.
+
+State is kept once per command, not per rank: clocks are numpy arrays over ranks, so a 512-rank mesh
+costs little more than a 4-rank one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from monarch.runtime import protocol as P
+from monarch.runtime.backends.sim import costs
+from monarch.runtime.backends.sim.devices import DeviceProfile
+from monarch.runtime.protocol import Ref
+
+_COLLECTIVE = {
+    (False, False): "all_reduce",
+    (True, False): "reduce_scatter",
+    (False, True): "all_gather",
+    (True, True): "all_to_all",
+}
+
+
+@dataclass
+class Event:
+    """One command on some ranks: per rank its start and end (seconds, the controller's clock)."""
+
+    ranks: np.ndarray
+    stream: int
+    start: np.ndarray
+    end: np.ndarray
+    name: str
+    kind: str
+    """``compute`` or ``comm``."""
+    where: str
+    flops: float = 0.0
+    nbytes: int = 0
+
+
+@dataclass
+class MemEvent:
+    ranks: np.ndarray
+    times: np.ndarray
+    delta: int
+    where: str
+
+
+class _Value:
+    __slots__ = ("fake", "storage")
+
+    def __init__(self, fake: Any, storage: int) -> None:
+        self.fake, self.storage = fake, storage
+
+
+class SimWorkers:
+    """The simulated workers of one mesh."""
+
+    def __init__(self, dev: DeviceProfile, size: int, hosts: np.ndarray) -> None:
+        self.dev = dev
+        self.size = size
+        self.hosts = hosts
+        """Rank -> its host."""
+        self.inline = dev.kind == "cpu"
+        self.dispatch = np.zeros(size)
+        self.streams: dict[int, np.ndarray] = {0: np.zeros(size)}
+        self.events: list[Event] = []
+        self.mem: list[MemEvent] = []
+        self.live = np.zeros(size, dtype=np.int64)
+        """Bytes allocated per rank now."""
+        self.baseline = np.zeros(size, dtype=np.int64)
+        """Bytes allocated per rank when the recording window began."""
+        self.window = 0.0
+        self.values: dict[int, _Value | None] = {}
+        self.storages: dict[int, list] = {}
+        """Storage key -> [bytes, handles naming it, ranks array]."""
+        self.groups: dict[int, tuple] = {}
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        self._keys = itertools.count(1)
+        self._ops: dict[str, Any] = {}
+        self.names: dict[int, str] = {0: "main"}
+        """Stream id -> name, as the controller named it (known from borrows)."""
+        self.commands = 0
+
+    # -- clocks ------------------------------------------------------------------------------------
+    def reset(self, now: float) -> None:
+        """Start a new recording window at `now` (events and memory history so far are dropped)."""
+        self.events.clear()
+        self.mem.clear()
+        self.baseline = self.live.copy()
+        self.window = now
+        self.dispatch = np.maximum(self.dispatch, now)
+        for s in self.streams.values():
+            np.maximum(s, now, out=s)
+
+    def _stream(self, sid: int) -> np.ndarray:
+        s = self.streams.get(sid)
+        if s is None:
+            s = self.streams[sid] = np.zeros(self.size)
+        return s
+
+    def _main(self, idx: np.ndarray) -> np.ndarray:
+        return self.dispatch[idx] if self.inline else self.streams[0][idx]
+
+    def _take(self, idx: np.ndarray) -> None:
+        """The command thread takes one command."""
+        self.dispatch[idx] += self.dev.dispatch
+
+    def _run(
+        self, idx: np.ndarray, sid: int, dur: Any, name: str, kind: str, where: str, flops=0.0, nb=0
+    ) -> np.ndarray:
+        """An op of `dur` seconds on stream `sid` of ranks `idx`; returns its start times."""
+        self._take(idx)
+        if sid == 0 and self.inline:
+            start = self.dispatch[idx]
+            end = start + dur
+            self.dispatch[idx] = end
+        else:
+            s = self._stream(sid)
+            start = np.maximum(s[idx], self.dispatch[idx])
+            end = start + dur
+            s[idx] = end
+        self.events.append(Event(idx, sid, start, end, name, kind, where, flops, nb))
+        return start
+
+    def _ready(self, idx: np.ndarray, sid: int) -> np.ndarray:
+        """When stream `sid` of ranks `idx` could start its next command (taking it included)."""
+        self._take(idx)
+        if sid == 0 and self.inline:
+            return self.dispatch[idx].copy()
+        return np.maximum(self._stream(sid)[idx], self.dispatch[idx])
+
+    def _finish(self, idx: np.ndarray, sid: int, end: np.ndarray) -> None:
+        if sid == 0 and self.inline:
+            self.dispatch[idx] = end
+        else:
+            self._stream(sid)[idx] = end
+
+    def synced(self, rank: int) -> float:
+        """When every stream of `rank` has run what it was given (a value can be read)."""
+        return max(self.dispatch[rank], *(s[rank] for s in self.streams.values())) + self.dev.dispatch
+
+    # -- commands ----------------------------------------------------------------------------------
+    def run_batch(self, idx: np.ndarray, batch: list, arrival: float) -> None:
+        self.dispatch[idx] = np.maximum(self.dispatch[idx], arrival)
+        for cmd in batch:
+            self.commands += 1
+            if type(cmd) is P.OnStream:
+                self._command(idx, cmd.stream_id, cmd.cmd)
+            else:
+                self._command(idx, 0, cmd)
+
+    def _command(self, idx: np.ndarray, sid: int, cmd: Any) -> None:
+        t = type(cmd)
+        if t is P.Op:
+            self._op(idx, sid, cmd)
+        elif t is P.Reduce:
+            self._reduce(idx, sid, cmd)
+        elif t is P.MoveWithin:
+            self._move(idx, sid, cmd)
+        elif t is P.Free:
+            at = self._ready(idx, sid)
+            self._finish(idx, sid, at)
+            for ref in cmd.refs:
+                self._drop(ref, idx, at)
+        elif t is P.Alias:
+            self._take(idx)
+            old = self.values.get(cmd.ref)
+            target = self.values.get(cmd.target)
+            if target is not None:
+                self.storages[target.storage][1] += 1
+            self.values[cmd.ref] = target
+            if old is not None:
+                self._release(old.storage, idx, self._main(idx))
+        elif t is P.BorrowStart:
+            self._take(idx)
+            mark = self._main(idx) if cmd.from_stream == 0 else self._stream(cmd.from_stream)[idx]
+            s = self._stream(cmd.to_stream)
+            s[idx] = np.maximum(s[idx], mark)
+            v = self.values.get(cmd.src)
+            if v is not None:
+                self.storages[v.storage][1] += 1
+            self.values[cmd.alias] = v
+        elif t is P.BorrowEnd:
+            self._take(idx)
+            done = self._stream(cmd.to_stream)[idx]
+            if cmd.from_stream == 0 and self.inline:
+                self.dispatch[idx] = np.maximum(self.dispatch[idx], done)
+            else:
+                s = self._stream(cmd.from_stream)
+                s[idx] = np.maximum(s[idx], done)
+            v = self.values.pop(cmd.alias, None)
+            if v is not None:
+                self._release(v.storage, idx, done)
+        elif t is P.FailResults:
+            self._take(idx)
+            for ref in _refs(cmd.out):
+                self.values[ref] = None
+        elif t in (P.SendTo, P.RecvFrom):
+            nb = _numel(cmd.shape) * _itemsize(cmd.dtype)
+            dur = costs.p2p_time(self.dev, nb, True)
+            self._run(idx, sid, dur, "send" if t is P.SendTo else "recv", "comm", cmd.where, 0.0, nb)
+            if t is P.RecvFrom:
+                self._new_value(cmd.out, torch.empty(cmd.shape, dtype=cmd.dtype), idx, self._main(idx), cmd.where)
+        else:  # Seed, profiler commands: the command thread's time only
+            self._take(idx)
+
+    def _resolve(self, x: Any) -> Any:
+        if isinstance(x, Ref):
+            v = self.values.get(x.id)
+            if v is None:
+                raise _Unknown(x.id)
+            return v.fake
+        if isinstance(x, torch.Tensor):
+            return self.fake.from_tensor(x)
+        if isinstance(x, list | tuple):
+            return type(x)(self._resolve(o) for o in x)
+        if isinstance(x, dict):
+            return {k: self._resolve(v) for k, v in x.items()}
+        return x
+
+    def _lookup(self, name: str) -> Any:
+        fn = self._ops.get(name)
+        if fn is None:
+            ns, _, rest = name.partition("::")
+            base, _, overload = rest.partition(".")
+            fn = self._ops[name] = getattr(getattr(getattr(torch.ops, ns), base), overload or "default")
+        return fn
+
+    def _op(self, idx: np.ndarray, sid: int, cmd: P.Op) -> None:
+        func = self._lookup(cmd.name)
+        try:
+            with self.fake:
+                args, kwargs = self._resolve(cmd.args), self._resolve(cmd.kwargs)
+                out = func(*args, **kwargs)
+        except Exception:  # (a poisoned input, or an op the workers would fail too): its results are unknown
+            self._take(idx)
+            for ref in _refs(cmd.out):
+                self.values[ref] = None
+            return
+        dur, flops, nb = costs.op_cost(self.dev, func, args, kwargs, out)
+        kind = "comm" if cmd.name.startswith("c10d::") else "compute"
+        start = self._run(idx, sid, dur, cmd.name, kind, cmd.where, flops, nb)
+        aliased = _aliased_inputs(func, cmd.args, cmd.kwargs)
+        for i, (ref, value) in enumerate(zip(_refs_by_position(cmd.out), _outputs(out))):
+            if ref is None or not isinstance(value, torch.Tensor):
+                continue
+            src = aliased.get(i)
+            base = self.values.get(src) if src is not None else None
+            if base is not None:
+                self.storages[base.storage][1] += 1
+                self._set(ref, _Value(value, base.storage), idx)
+            else:
+                self._new_value(ref, value, idx, start, cmd.where)
+
+    def _new_value(self, ref: int, fake: Any, idx: np.ndarray, at: np.ndarray, where: str) -> None:
+        nb = costs.alloc_bytes(self.dev, fake)
+        key = next(self._keys)
+        self.storages[key] = [nb, 1, idx]
+        self._set(ref, _Value(fake, key), idx)
+        if nb:
+            self.live[idx] += nb
+            self.mem.append(MemEvent(idx, at.copy(), nb, where))
+
+    def _set(self, ref: int, v: _Value, idx: np.ndarray) -> None:
+        old = self.values.get(ref)
+        self.values[ref] = v
+        if old is not None:  # an in-place op's result reuses its input's id: nothing new
+            self._release(old.storage, idx, self._main(idx))
+
+    def _drop(self, ref: int, idx: np.ndarray, at: np.ndarray) -> None:
+        v = self.values.pop(ref, None)
+        if v is not None:
+            self._release(v.storage, idx, at)
+
+    def _release(self, key: int, idx: np.ndarray, at: np.ndarray) -> None:
+        st = self.storages.get(key)
+        if st is None:
+            return
+        st[1] -= 1
+        if st[1] <= 0:
+            del self.storages[key]
+            nb, _, owners = st
+            if nb:
+                self.live[owners] -= nb
+                times = at if len(at) == len(owners) else np.full(len(owners), float(np.max(at)))
+                self.mem.append(MemEvent(owners, times.copy(), -nb, "free"))
+
+    def _reduce(self, idx: np.ndarray, sid: int, cmd: P.Reduce) -> None:
+        kind = _COLLECTIVE[(bool(cmd.scatter and cmd.reduction != "stack"), cmd.reduction == "stack")]
+        if cmd.reduction == "stack" and cmd.scatter:
+            kind = "all_to_all"
+        nb = _numel(cmd.shape) * _itemsize(cmd.dtype)
+        ready = np.zeros(self.size)
+        ready[idx] = self._ready(idx, sid)
+        end = ready.copy()
+        partition = self.groups.get(cmd.gid) or (tuple(int(r) for r in idx),)
+        for groups in _by_size(partition):
+            p = groups.shape[1]
+            hosts = self.hosts[groups]
+            spans = hosts.min(axis=1) != hosts.max(axis=1)
+            dur = np.where(spans, costs.collective_time(self.dev, kind, nb, p, True),
+                           costs.collective_time(self.dev, kind, nb, p, False))  # fmt: skip
+            end[groups] = (ready[groups].max(axis=1) + dur)[:, None]
+        self._finish(idx, sid, end[idx])
+        name = f"{kind} ({cmd.reduction})"
+        self.events.append(Event(idx, sid, ready[idx], end[idx], name, "comm", cmd.where, 0.0, nb))
+        if cmd.out != cmd.src:
+            shape = _out_shape(cmd)
+            self._new_value(cmd.out, _empty(self, shape, cmd.dtype), idx, ready[idx], cmd.where)
+
+    def _move(self, idx: np.ndarray, sid: int, cmd: P.MoveWithin) -> None:
+        nb = _numel(cmd.shape) * _itemsize(cmd.dtype)
+        ready = np.zeros(self.size)
+        ready[idx] = self._ready(idx, sid)
+        end = ready.copy()
+        for s, d in cmd.pairs:
+            start = max(ready[s], ready[d])
+            end[s] = end[d] = start + (
+                costs.p2p_time(self.dev, nb, bool(self.hosts[s] != self.hosts[d])) if s != d else nb / self.dev.mem_bw
+            )
+        self._finish(idx, sid, end[idx])
+        self.events.append(Event(idx, sid, ready[idx], end[idx], "send/recv", "comm", cmd.where, 0.0, nb))
+        dst = np.array(sorted({d for _, d in cmd.pairs}), dtype=np.int64)
+        self._new_value(cmd.out, _empty(self, cmd.shape, cmd.dtype), dst, end[dst], cmd.where)
+
+    def origin(self) -> float:
+        """Time zero of the window's trace: its first op's start (the controller's time before it is not shown)."""
+        return min((float(e.start.min()) for e in self.events if len(e.start)), default=self.window)
+
+    def fake_of(self, ref: int) -> Any:
+        v = self.values.get(ref)
+        return None if v is None else v.fake
+
+    # -- memory ------------------------------------------------------------------------------------
+    def memory(self) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        """Per rank: peak bytes in the window, when (seconds), and what allocated last before it."""
+        peak = self.baseline.astype(np.float64).copy()
+        when = np.full(self.size, self.window)
+        what = ["(before the window)"] * self.size
+        if not self.mem:
+            return peak, when, what
+        ranks = np.concatenate([m.ranks for m in self.mem])
+        times = np.concatenate([m.times for m in self.mem])
+        deltas = np.concatenate([np.full(len(m.ranks), m.delta, dtype=np.int64) for m in self.mem])
+        which = np.concatenate([np.full(len(m.ranks), i) for i, m in enumerate(self.mem)])
+        # frees before allocations at the same moment; then per rank, in time order
+        order = np.lexsort((deltas > 0, times, ranks))
+        ranks, times, deltas, which = ranks[order], times[order], deltas[order], which[order]
+        level = np.cumsum(deltas)
+        starts = np.searchsorted(ranks, np.arange(self.size))
+        ends = np.searchsorted(ranks, np.arange(self.size), side="right")
+        for r in range(self.size):
+            a, b = starts[r], ends[r]
+            if a == b:
+                continue
+            before = level[a - 1] if a else 0
+            seg = level[a:b] - before + self.baseline[r]
+            i = int(np.argmax(seg))
+            if seg[i] > peak[r]:
+                peak[r], when[r], what[r] = seg[i], times[a + i], self.mem[which[a + i]].where
+        return peak, when, what
+
+
+class _Unknown(Exception):
+    """A command names a value the simulated workers do not have (freed, poisoned)."""
+
+
+def _by_size(partition: tuple) -> list[np.ndarray]:
+    """A rank partition as arrays of groups of equal size (one array per size)."""
+    out: dict[int, list] = {}
+    for g in partition:
+        out.setdefault(len(g), []).append(g)
+    return [np.array(gs, dtype=np.int64) for gs in out.values()]
+
+
+def _refs(out: Any) -> list[int]:
+    if isinstance(out, int):
+        return [out]
+    if isinstance(out, list | tuple):
+        return [r for o in out for r in _refs(o)]
+    return []
+
+
+def _refs_by_position(out: Any) -> list[int | None]:
+    """The result ids of an op in the order `_outputs` lists its results."""
+    if isinstance(out, int) or out is None:
+        return [out]
+    return [o if isinstance(o, int) else None for o in _flat(out)]
+
+
+def _outputs(out: Any) -> list:
+    if isinstance(out, torch.Tensor) or out is None:
+        return [out]
+    return list(_flat(out)) if isinstance(out, list | tuple) else [out]
+
+
+def _flat(x: Any):
+    for o in x:
+        if isinstance(o, list | tuple):
+            yield from _flat(o)
+        else:
+            yield o
+
+
+_alias_plans: dict[Any, dict[int, tuple[int, str]]] = {}
+
+
+def _aliased_inputs(func: Any, args: tuple, kwargs: dict) -> dict[int, int]:
+    """Result position -> the id of the input whose memory it shares (views, in-place results)."""
+    plan = _alias_plans.get(func)
+    if plan is None:
+        plan = {}
+        schema = getattr(func, "_schema", None)
+        if schema is not None:
+            for r, ret in enumerate(schema.returns):
+                if ret.alias_info is None:
+                    continue
+                for i, a in enumerate(schema.arguments):
+                    if a.alias_info is not None and a.alias_info.before_set & ret.alias_info.before_set:
+                        plan[r] = (i, a.name)
+        if func is torch.ops.aten._unsafe_view.default:  # a view whose schema says it is not
+            plan = {0: (0, "self")}
+        _alias_plans[func] = plan
+    found = {}
+    for r, (i, name) in plan.items():
+        src = args[i] if i < len(args) else kwargs.get(name)
+        if isinstance(src, Ref):
+            found[r] = src.id
+    if len(found) == 1 and 0 in found and len(func._schema.returns) == 1:
+        return _Every(found[0])  # one return, maybe a list (split, unbind): every result shares the input's memory
+    return found
+
+
+class _Every(dict):
+    """Every result position aliases one input."""
+
+    def __init__(self, ref: int) -> None:
+        super().__init__()
+        self.ref = ref
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self.ref
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _itemsize(dtype: Any) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _out_shape(cmd: P.Reduce) -> tuple:
+    shape = tuple(cmd.shape)
+    if cmd.reduction == "stack":
+        return (cmd.size, *shape) if not cmd.scatter else (cmd.size, *shape[1:])
+    return (shape[0] // cmd.size, *shape[1:]) if cmd.scatter else shape
+
+
+def _empty(w: SimWorkers, shape: tuple, dtype: Any) -> Any:
+    with w.fake:
+        return torch.empty(shape, dtype=dtype)

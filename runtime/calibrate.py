@@ -1,0 +1,136 @@
+"""`monarch.Simulator.calibrate()`: measure this machine and save a `DeviceProfile` for the simulator.
+
+On a machine with a GPU it measures the GPU (one worker per GPU); otherwise its CPU with `workers`
+workers, all measuring at once, so that workers sharing cores see what they get in a real run of that
+many. Measured: the per-command cost of the tensor engine's worker half on the main stream and on a side
+stream, matmul FLOP/s, memory bandwidth, a whole-mesh reduce of a small and a large tensor (fitted to the
+ring model's α and β), and the controller's round trip for a fetched value. What cannot be measured on
+one machine (links between hosts) is derived: twice the latency, half the bandwidth of the local links.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from monarch.runtime.backends.sim import devices
+from monarch.runtime.backends.sim.devices import DeviceProfile
+from monarch.runtime.mesh import this_host
+from monarch.runtime.remote import RemoteFunction
+
+WORKER = "monarch.runtime.worker.calibration"
+SMALL = 256
+"""Floats in the small reduce (its time is mostly latency)."""
+
+
+def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bool = False) -> DeviceProfile:
+    """Measure, save (to `path`, default this machine's profile) and return the profile."""
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ValueError(f"calibrate: workers must be a positive integer, got {workers!r}")
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n = gpus or workers
+    print(f"monarch.Simulator.calibrate: measuring {n} {'GPU' if gpus else 'CPU'} worker(s)…", file=sys.stderr)
+    mesh = this_host().spawn_procs({"gpu": n})
+    try:
+        per_rank = list(RemoteFunction.by_name(WORKER, "measure", mesh)(quick=quick))
+        rtt = _round_trip(mesh)
+        comm = [_engine_reduces(mesh, rtt, quick)] if n > 1 else []
+    finally:
+        mesh.exit()
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in per_rank)
+
+    flops = max(v for k, v in per_rank[0].items() if k.startswith("matmul"))
+    flops = statistics.median(max(v for k, v in r.items() if k.startswith("matmul")) for r in per_rank) or flops
+    enqueue = med("side_enqueue")
+    side_op = max(med("side_total") - enqueue, 1e-7)
+    main_op = med("main_op")
+    base = devices.DEVICES["h100" if gpus else "cpu"]
+    intra_lat, intra_bw = base.intra_latency, base.intra_bw
+    if comm:
+        small = statistics.median(c[str(SMALL)] for c in comm)
+        large = statistics.median(c[str(1 << 18)] for c in comm)
+        steps = 2 * (n - 1)
+        # a reduce is its command's cost plus a ring all-reduce; what the small one costs beyond the command
+        # is latency, what the large one costs beyond the small one is bandwidth
+        intra_lat = max(small - main_op, 1e-7) / steps
+        nbytes = 4 * ((1 << 18) - SMALL)
+        intra_bw = (2 * (n - 1) / n) * nbytes / max(large - small, 1e-9)
+    name = f"{socket.gethostname()}-{'gpu' if gpus else 'cpu'}"
+    profile = DeviceProfile(
+        name=name,
+        kind="gpu" if gpus else "cpu",
+        flops={"float32": flops, "default": flops},
+        mem_bw=med("mem_bw"),
+        efficiency=1.0,  # (measured on matmuls: already what they reach)
+        op_overhead=side_op if gpus else max(main_op - enqueue, 1e-7),
+        dispatch=enqueue,
+        intra_latency=intra_lat,
+        intra_bw=intra_bw,
+        inter_latency=2 * intra_lat,
+        inter_bw=intra_bw / 2,
+        wire_latency=rtt / 2,
+        memory=base.memory if gpus else 0,
+        alloc_round=base.alloc_round if gpus else 1,
+        source=f"calibrated on {socket.gethostname()} with {n} workers, {datetime.date.today().isoformat()}",
+        measured={"workers": n, "per_rank": per_rank, "collectives": comm, "round_trip": rtt},
+    )
+    out = Path(path) if path is not None else devices.local_profile_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(profile.to_json())
+    print(f"monarch.Simulator.calibrate: saved {out}", file=sys.stderr)
+    return dataclasses.replace(profile)
+
+
+def _engine_reduces(mesh, rtt: float, quick: bool) -> dict:
+    """Seconds per whole-mesh `reduce_("sum")` of 256 and of 2**18 floats (gloo is quicker still for a tensor
+    smaller than the mesh, which a model's gradients never are), issued through the tensor engine as a
+    program issues them (back to back, then a fetch), the controller's issuing and the round trip taken out."""
+    import torch
+
+    from monarch.runtime.tensor.values import inspect
+
+    k, runs = (8, 2) if quick else (16, 5)
+    dim = mesh.names[0]
+    out = {}
+    for n in (SMALL, 1 << 18):
+        with mesh.activate():
+            t = torch.ones(n)
+            t.reduce_(dim, "sum")
+        inspect(t)  # (warm)
+        times = []
+        for _ in range(runs):
+            with mesh.activate():
+                for _ in range(k):
+                    t.reduce_(dim, "sum")
+            issued = time.perf_counter()
+            inspect(t)
+            done = time.perf_counter()
+            times.append(max(done - issued - rtt, 0.0) / k)
+        out[str(n)] = statistics.median(times)
+    return out
+
+
+def _round_trip(mesh) -> float:
+    """Seconds from asking for a small value to having it (the controller's side included)."""
+    import torch
+
+    from monarch.runtime.tensor.values import inspect
+
+    with mesh.activate():
+        t = torch.ones(1)
+    times = []
+    for _ in range(20):
+        start = time.perf_counter()
+        inspect(t)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -1,0 +1,96 @@
+"""Measurements for `monarch.Simulator.calibrate()`, run on every worker of a real mesh at once (so that
+workers sharing cores measure what they get when they all run). Collectives are measured from the
+controller, through the tensor engine (`monarch.runtime.calibrate`).
+
+Commands go through the tensor engine's own worker half (decoding a pickled batch, the handler table,
+the reduce with its failure check), so the per-command costs are the ones a real program pays.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from monarch.runtime import protocol as P
+from monarch.runtime import wire
+from monarch.runtime.protocol import Ref
+from monarch.runtime.worker.engine import commands
+from monarch.runtime.worker.engine.streams import sync_streams
+from monarch.runtime.worker.engine.table import table
+
+_BASE = 1 << 40
+"""Table ids used here (far above any id the controller hands out)."""
+
+
+def _together() -> None:
+    """Wait for every worker of the mesh: each measurement runs on all of them at once."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _best(fn, repeat: int) -> float:
+    _together()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _median(fn, repeat: int) -> float:
+    _together()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _batch(cmds: list) -> list:
+    return wire.dumps(P.pack_commands(cmds))
+
+
+def _run(frames: list) -> None:
+    commands.run(P.unpack_commands(wire.loads(frames[0], frames[1:])))
+
+
+def measure(n_ops: int = 1000, quick: bool = False) -> dict:
+    """This worker's rates and per-command costs (seconds, FLOP/s, bytes/s)."""
+    rep = 3 if quick else 7
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x, y = _BASE, _BASE + 1
+    table[x] = torch.ones(4, device=dev)
+    table[y] = torch.ones(4, device=dev)
+    out: dict = {"device": dev}
+    try:
+        # one tiny op per command, on the main stream (what the command thread pays per op)
+        main = _batch([P.Op("aten::add_.Tensor", (Ref(x), Ref(y)), {}, x, "calibrate")] * n_ops)
+        out["main_op"] = _median(lambda: (_run(main), sync_streams()), rep) / n_ops
+        # the same on a side stream: what the command thread pays to hand it on, and the stream to run it
+        side_cmd = P.OnStream(1 << 20, P.Op("aten::add_.Tensor", (Ref(x), Ref(y)), {}, x, "calibrate"))
+        side = _batch([side_cmd] * n_ops)
+        out["side_enqueue"] = _median(lambda: _run(side), rep) / n_ops
+        sync_streams()
+        out["side_total"] = _median(lambda: (_run(side), sync_streams()), rep) / n_ops
+        # compute and memory rates, straight torch (the ops a model issues are as fast as torch's)
+        sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+        for n in (256,) if quick else (256, 512):
+            a = torch.randn(n, n, device=dev)
+            k = max(1, int(2e9 / (2 * n**3)) // 20)  # ~0.1 s per sample (GPU: more): long enough that all workers
+            t = _median(lambda a=a, k=k: ([a @ a for _ in range(k)], sync()), rep) / k  # run it at once, sharing cores
+            out[f"matmul{n}_flops"] = 2 * n**3 / t
+        big = torch.ones(1 << 22, device=dev)
+        t = _median(lambda: ([big + 1.0 for _ in range(20)], sync()), rep) / 20
+        out["mem_bw"] = 2 * big.numel() * big.element_size() / t
+        small = torch.ones(64, device=dev)
+        out["small_op"] = _best(lambda: [small + 1.0 for _ in range(200)], rep) / 200
+    finally:
+        table.pop(x, None)
+        table.pop(y, None)
+    return out

@@ -1,0 +1,302 @@
+"""monarch.Simulator: the tutorial's DDP variants, a 512-rank step, the cost model, memory, calibration, and
+what a simulated mesh refuses (with words)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+import monarch
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Net(nn.Module):  # the tutorial's
+    def __init__(self):
+        super().__init__()
+        layers = []
+        for _ in range(8):
+            layers.append(nn.Linear(4, 4))
+            layers.append(nn.ReLU())
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, input, target):
+        output = self.layers(input)
+        return torch.nn.functional.cross_entropy(output, target)
+
+
+def make_train(variant: int, comms):
+    """The tutorial's `train`, in its three versions (seed 001: DDP Example, Overlapping Comms/Compute)."""
+
+    def train(model, input, target):
+        loss = model(input, target)
+        rparameters = list(reversed(list(model.parameters())))
+        grads = monarch.grad_generator(loss, rparameters)
+        with torch.no_grad():
+            if variant == 1:
+                it = iter(zip(rparameters, grads))
+                todo = next(it, None)
+                while todo is not None:
+                    param, grad = todo
+                    grad.reduce_("dp", "sum")
+                    todo = next(it, None)
+                    param += 0.01 * grad
+                return
+            it = iter((param, grad, *comms.borrow(grad, mutable=True)) for param, grad in zip(rparameters, grads))
+            todo = next(it, None)
+            while todo is not None:
+                param, grad, comm_grad, borrow = todo
+                with comms.activate():
+                    comm_grad.reduce_("dp", "sum")
+                if variant == 2:
+                    borrow.drop()
+                todo = next(it, None)
+                if variant == 3:
+                    borrow.drop()
+                param += 0.01 * grad
+
+    return train
+
+
+def simulate(variant: int, hosts: int = 1, gpus: int = 4, **kw) -> monarch.Simulator:
+    comms = monarch.Stream("comms")
+    simulator = monarch.Simulator(hosts=hosts, gpus=gpus, trace_mode="stream_only", **kw)
+    mesh = simulator.mesh.rename(gpu="dp") if hosts == 1 else simulator.mesh.flatten("dp")  # DDP over every rank
+    with mesh.activate():
+        model = Net()
+        make_train(variant, comms)(model, torch.rand(3, 4), torch.full((3,), 1, dtype=torch.int64))
+    return simulator
+
+
+def test_the_tutorials_ddp_variants_overlap_more_and_more(tmp_path):
+    overlaps = {}
+    for v in (1, 2, 3):
+        sim = simulate(v)
+        s = sim.summary()
+        per_rank = s.overlap()
+        assert set(per_rank) == {0, 1, 2, 3}
+        overlaps[v] = sum(per_rank.values()) / 4
+        path = sim.trace(tmp_path / f"variant{v}.json")
+        trace = json.load(open(path))
+        procs = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+        assert procs == {r: f"rank {r} (host=0,gpu={r})" for r in range(4)}
+        threads = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+        assert threads == ({"stream main"} if v == 1 else {"stream main", "stream comms"})
+        reduces = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"].startswith("all_reduce")]
+        assert len(reduces) == 4 * 16  # 16 parameters' gradients, on each of 4 ranks
+        assert s.commands > 200 and s.step_ms > 0
+        sim.exit()
+    print("overlap of communication with compute per variant:", {v: f"{100 * o:.1f}%" for v, o in overlaps.items()})
+    assert overlaps[1] == 0.0  # one stream: nothing can overlap
+    assert overlaps[2] < overlaps[3]  # dropping the borrow late lets the reduce run beside the next backward step
+    assert overlaps[3] > 0.05
+
+
+def test_a_64_host_by_8_gpu_ddp_step_is_simulated_in_seconds(tmp_path):
+    started = time.perf_counter()
+    sim = simulate(3, hosts=64, gpus=8)
+    s = sim.summary()
+    took = time.perf_counter() - started
+    print(f"64 x 8 = 512 ranks: simulated in {took:.1f} s, {s.step_ms:.2f} ms simulated, {s.overlap_line()}")
+    assert len(s.timeline.ranks) == 512
+    assert len(s.peak_bytes) == 512 and len(set(s.peak_bytes)) == 1  # every rank holds the same
+    trace = sim.trace_dict()
+    assert len({e["pid"] for e in trace["traceEvents"] if e.get("ph") == "X"}) == 512
+    # the all-reduces cross hosts: slower than the same step on one host's 8 GPUs
+    one_host = simulate(3, hosts=1, gpus=8)
+    comm_512 = s.timeline.ranks[0].comm_ms
+    comm_8 = one_host.summary().timeline.ranks[0].comm_ms
+    assert comm_512 > comm_8
+    sim.exit()
+    one_host.exit()
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"gpus": 0}, ["gpus must be a positive integer, got 0"]),
+        ({"hosts": -2}, ["hosts must be a positive integer, got -2"]),
+        ({"gpus": 2.5}, ["gpus must be a positive integer, got 2.5"]),
+        ({"device": "tpu"}, ["unknown device 'tpu'", "a100, h100, h200, cpu", "'local'"]),
+        ({"trace_mode": "everything"}, ["unknown trace_mode 'everything'", "'stream_only', 'full'"]),
+        ({"device": "/nowhere/profile.json"}, ["/nowhere/profile.json does not exist"]),
+    ],
+)
+def test_bad_arguments_name_the_value_and_what_is_allowed(kwargs, words):
+    with pytest.raises(ValueError) as e:
+        monarch.Simulator(**kwargs)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_local_device_without_a_calibration_says_how_to_make_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONARCH_SIM_PROFILES", str(tmp_path))
+    with pytest.raises(ValueError, match=r"run monarch.Simulator.calibrate\(\) first"):
+        monarch.Simulator(device="local")
+
+
+def test_inspect_gives_the_shape_and_dtype_and_says_the_values_were_not_computed(capfd):
+    sim = monarch.Simulator(hosts=1, gpus=2)
+    with sim.mesh.activate():
+        a = torch.rand(3, 5)
+        n = torch.arange(7)
+    v = monarch.inspect(a, gpu=1)
+    assert v.shape == (3, 5) and v.dtype == torch.float32 and torch.isnan(v).all()
+    i = monarch.inspect(n)
+    assert i.dtype == torch.int64 and i.shape == (7,) and (i == 0).all()
+    err = capfd.readouterr().err
+    assert err.count("values are not computed on a simulated mesh") == 1
+    sim.exit()
+
+
+def test_live_functions_and_cells_on_a_simulated_mesh_fail_saying_why():
+    sim = monarch.Simulator(hosts=1, gpus=2)
+
+    @monarch.remote
+    def f():
+        return 1
+
+    with pytest.raises(monarch.RemoteError, match="cannot run on a simulated mesh"):
+        f.on(sim.mesh)()
+    sim.exit()
+
+
+def test_the_mesh_behaves_as_a_proc_mesh_pipelines_and_collectives_over_hosts():
+    sim = monarch.Simulator(hosts=2, gpus=4, device="a100", trace_mode="full")
+    mesh = sim.mesh
+    table = mesh.to_table()
+    rows = table.rows
+    assert len(rows) == 8 and rows[5]["hostname"] == "sim-host1" and rows[5]["device"] == "cuda:1"
+    three_d = mesh.split(host=("dp", "pp"), gpu=("tp",), pp=2)
+    assert three_d.sizes == {"dp": 1, "pp": 2, "tp": 4}
+    pipeline = mesh.rename(host="pp")
+    stages = [pipeline.slice(pp=i) for i in range(2)]
+    with stages[0].activate():
+        x = torch.rand(64, 1024, device="cuda")
+        w = torch.rand(1024, 1024, device="cuda")
+        y = x @ w
+    y1 = y.to_mesh(stages[1])
+    with stages[1].activate():
+        z = y1.relu()
+    with mesh.activate():
+        g = torch.rand(1 << 20, device="cuda")
+        by_gpu = g.reduce("gpu", "sum")
+        by_host = g.reduce("host", "sum")
+    assert monarch.inspect(z, gpu=2).shape == (64, 1024)
+    trace = sim.trace_dict()
+    xs = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["pid"] < 8]
+    assert any(e["name"] == "send/recv" for e in xs)
+    mm = next(e for e in xs if e["name"] == "aten::mm")
+    assert mm["args"]["flops"] == 2 * 64 * 1024 * 1024 and mm["cat"] == "kernel"
+    reduces = [e for e in xs if e["name"].startswith("all_reduce") and e["pid"] == 0]
+    intra, inter = reduces[-2]["dur"], reduces[-1]["dur"]  # over gpu (NVLink), then over host (the network)
+    assert inter > intra
+    assert any(e.get("ph") == "C" and e["name"] == "memory" for e in trace["traceEvents"])  # full mode
+    assert any(e.get("pid") == 9 and e.get("cat") == "controller" for e in trace["traceEvents"])
+    del by_gpu, by_host
+    sim.exit()
+
+
+def test_memory_per_rank_counts_a_known_tensor_and_names_the_peak():
+    sim = monarch.Simulator(hosts=1, gpus=2, device="cpu")
+    with sim.mesh.activate():
+        big = torch.zeros(1_000_003)
+        view = big[10:20]  # a view: no new memory
+        del view
+    s = sim.summary()
+    assert s.peak_bytes == [4_000_012, 4_000_012]
+    assert "test_simulator.py" in s.peak_where[0]
+    assert "peak memory: 3.81 MiB on ranks 0-1" in s.memory_line()
+    del big
+    sim.reset()
+    with sim.mesh.activate():
+        small = torch.zeros(10)
+    assert sim.summary().peak_bytes == [40, 40]  # the big one was freed before this window
+    del small
+    sim.exit()
+
+
+def test_the_cost_model_follows_flops_bytes_and_dtype():
+    from monarch.runtime.backends.sim import costs, devices
+
+    h100 = devices.DEVICES["h100"]
+    aten = torch.ops.aten
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        a = torch.empty(4096, 4096, dtype=torch.bfloat16)
+        out = aten.mm.default(a, a)
+        t_bf16, flops, _ = costs.op_cost(h100, aten.mm.default, (a, a), {}, out)
+        a32 = torch.empty(4096, 4096)
+        t_f32, _, _ = costs.op_cost(h100, aten.mm.default, (a32, a32), {}, aten.mm.default(a32, a32))
+        v = torch.empty(1 << 26)
+        t_add, _, moved = costs.op_cost(h100, aten.add.Tensor, (v, v), {}, aten.add.Tensor(v, v))
+    assert flops == 2 * 4096**3
+    assert t_bf16 == pytest.approx(h100.op_overhead + flops / (989e12 * 0.7))
+    assert t_f32 > 10 * t_bf16  # fp32 runs without tensor cores
+    assert moved == 3 * 4 * (1 << 26) and t_add == pytest.approx(h100.op_overhead + moved / h100.mem_bw)
+    # a ring all-reduce's bandwidth term, and the slower links across hosts
+    n = 1 << 30
+    t_in = costs.collective_time(h100, "all_reduce", n, 8, False)
+    t_out = costs.collective_time(h100, "all_reduce", n, 8, True)
+    assert t_in == pytest.approx(h100.op_overhead + min(14 * 6e-6 + 2 * 7 / 8 * n / 370e9, 6 * 6e-6 + 2 * n / 370e9))
+    assert t_out > 5 * t_in
+
+
+def test_calibration_measures_this_machine_and_the_simulator_uses_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONARCH_SIM_PROFILES", str(tmp_path))
+    prof = monarch.Simulator.calibrate(workers=2, quick=True)
+    saved = json.loads((tmp_path / f"{os.uname().nodename}.json").read_text())
+    assert saved["kind"] == ("gpu" if torch.cuda.is_available() else "cpu")
+    assert saved["measured"]["workers"] >= 1 and saved["source"].startswith("calibrated on")
+    for key in ("mem_bw", "op_overhead", "dispatch", "intra_latency", "intra_bw", "wire_latency"):
+        assert saved[key] > 0, key
+    assert saved["flops"]["float32"] > 1e8
+    sim = monarch.Simulator(hosts=1, gpus=2, device="local")
+    assert sim.device == prof
+    with sim.mesh.activate():
+        x = torch.rand(256, 256)
+        (x @ x).reduce("gpu", "sum")
+    assert "calibrated on" in sim.summary().text()
+    sim.exit()
+
+
+def test_a_simulator_starts_no_process():
+    code = textwrap.dedent(
+        """
+        import os, torch, monarch
+        sim = monarch.Simulator(hosts=2, gpus=4)
+        with sim.mesh.activate():
+            (torch.rand(8, 8) @ torch.rand(8, 8)).reduce("gpu", "sum")
+        sim.summary()
+        kids = [p for p in os.listdir("/proc") if p.isdigit()
+                and open(f"/proc/{p}/stat").read().split(") ")[1].split()[1] == str(os.getpid())]
+        print("children:", len(kids))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "children: 0" in out.stdout
+
+
+def test_trace_loads_in_perfettos_trace_processor(tmp_path):
+    tp_mod = pytest.importorskip("perfetto.trace_processor")
+    binary = os.environ.get("PERFETTO_TRACE_PROCESSOR") or shutil.which("trace_processor_shell")
+    if not binary:
+        pytest.skip("Perfetto's trace_processor_shell binary is not here (set PERFETTO_TRACE_PROCESSOR to its path)")
+    sim = simulate(3)
+    path = sim.trace(tmp_path / "trace.json")
+    sim.exit()
+    tp = tp_mod.TraceProcessor(trace=path, config=tp_mod.TraceProcessorConfig(bin_path=binary))
+    try:
+        procs = {row.name for row in tp.query("select name from process where name like 'rank %'")}
+        assert procs == {f"rank {r} (host=0,gpu={r})" for r in range(4)}
+    finally:
+        tp.close()
