@@ -232,6 +232,11 @@ def main() -> None:
         import faults
 
         faults.report(faults.measure(before))
+    here = os.path.dirname(os.path.abspath(__file__))
+    for flag, script in (("--no-profiling", "profiling.py"), ("--no-simulator", "simulator.py")):
+        if flag not in sys.argv:  # (each in its own process: they start meshes and a controller of their own)
+            print(flush=True)
+            subprocess.run([sys.executable, os.path.join(here, script)], check=False)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 transformer's training step, simulated with this machine's calibrated CPU profile and measured on a real
 CPU mesh of the same shape, side by side in one run.
 
-Reported per program: step time (median over measured steps, each ended by fetching a value, as a notebook
+Reported per program: step time (median over measured steps after two warm-up steps, and over rounds that
+alternate the two sides, each ended by fetching a value, as a notebook
 does), peak memory above the step's start (real: `monarch.memory`'s CPU recording; simulated: the model's
 allocations), and the overlap of communication with compute (real: `monarch.profiler`'s summary of one
 profiled step; simulated: the simulator's summary). The error is (simulated - measured) / measured.
@@ -190,6 +191,10 @@ def sim_side(profile, hosts: int, gpus: int, make, train, data, n: int) -> dict:
     return {"step": statistics.median(times[2:]), "peak": peak, "overlap": 100 * _mean(overlaps)}
 
 
+def _medians(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
 def _mean(xs) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
@@ -197,7 +202,8 @@ def _mean(xs) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=2, help="measure each side this many times; report the median")
     ap.add_argument("--profile", default=None, help="a calibrated profile (default: calibrate now)")
     args = ap.parse_args()
     COMMS.append(monarch.Stream("comms"))
@@ -210,8 +216,11 @@ def main() -> None:
           f"{'overlap % real':>16}{'sim':>7}")  # fmt: skip
     rows = []
     for name, (make, train, data) in PROGRAMS.items():
-        real = real_side(mesh, make, train, data, args.steps)
-        sim = sim_side(profile_path, 1, args.workers, make, train, data, args.steps)
+        reals, sims = [], []
+        for _ in range(args.rounds):  # (alternating: a slow spell of the machine hits both sides)
+            reals.append(real_side(mesh, make, train, data, args.steps))
+            sims.append(sim_side(profile_path, 1, args.workers, make, train, data, args.steps))
+        real, sim = _medians(reals), _medians(sims)
         e_step = (sim["step"] - real["step"]) / real["step"]
         e_peak = (sim["peak"] - real["peak"]) / real["peak"] if real["peak"] else float("nan")
         rows.append((name, real, sim))

@@ -23,6 +23,7 @@ from monarch.runtime.backends.sim import devices
 from monarch.runtime.backends.sim.devices import DeviceProfile
 from monarch.runtime.mesh import this_host
 from monarch.runtime.remote import RemoteFunction
+from monarch.runtime.tensor.engine import flush
 
 WORKER = "monarch.runtime.worker.calibration"
 SMALL = 256
@@ -43,6 +44,7 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
         per_rank = list(RemoteFunction.by_name(WORKER, "measure", mesh)(quick=quick))
         rtt = _round_trip(mesh)
         comm = [_engine_reduces(mesh, rtt, quick)] if n > 1 else []
+        slowdown = 1.0 if gpus else _controller_slowdown(mesh, quick)
     finally:
         mesh.exit()
 
@@ -79,10 +81,11 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
         inter_latency=2 * intra_lat,
         inter_bw=intra_bw / 2,
         wire_latency=rtt / 2,
+        controller_slowdown=slowdown,
         memory=base.memory if gpus else 0,
         alloc_round=base.alloc_round if gpus else 1,
         source=f"calibrated on {socket.gethostname()} with {n} workers, {datetime.date.today().isoformat()}",
-        measured={"workers": n, "per_rank": per_rank, "collectives": comm, "round_trip": rtt},
+        measured={"workers": n, "cores": os.cpu_count(), "per_rank": per_rank, "collectives": comm, "round_trip": rtt},
     )
     out = Path(path) if path is not None else devices.local_profile_path()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -118,6 +121,40 @@ def _engine_reduces(mesh, rtt: float, quick: bool) -> dict:
             times.append(max(done - issued - rtt, 0.0) / k)
         out[str(n)] = statistics.median(times)
     return out
+
+
+def _controller_slowdown(mesh, quick: bool) -> float:
+    """How much slower the controller issues commands while CPU workers on its machine compute, than while
+    they wait: the time to issue the same tiny ops, behind a batch of matmuls and with the workers idle."""
+    import torch
+
+    from monarch.runtime.tensor.values import inspect
+
+    n = 300 if quick else 1000
+
+    def issue(t) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            t.add_(1)
+        return time.perf_counter() - start
+
+    ratios = []
+    for _ in range(1 if quick else 3):
+        with mesh.activate():
+            t = torch.ones(4)
+            a = torch.ones(512, 512)
+        inspect(t)
+        with mesh.activate():
+            idle = issue(t)
+        inspect(t)
+        with mesh.activate():
+            for _ in range(60):  # about a second of work on each worker
+                a = a @ a / 512
+            flush(mesh)
+            busy = issue(t)
+        inspect(t)
+        ratios.append(busy / idle)
+    return max(1.0, statistics.median(ratios))
 
 
 def _round_trip(mesh) -> float:

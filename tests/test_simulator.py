@@ -206,6 +206,32 @@ def test_the_mesh_behaves_as_a_proc_mesh_pipelines_and_collectives_over_hosts():
     sim.exit()
 
 
+def test_optimizers_and_autograd_run_unchanged_and_commands_have_no_limit():
+    sim = monarch.Simulator(hosts=1, gpus=2)
+    with sim.mesh.activate():
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for _ in range(2):
+            loss = torch.nn.functional.cross_entropy(model(torch.rand(32, 64)), torch.randint(0, 10, (32,)))
+            loss.backward()
+            for p in model.parameters():
+                p.grad.reduce_("gpu", "avg")
+            opt.step()
+            opt.zero_grad()
+    assert monarch.inspect(loss).shape == ()
+    names = {e["name"] for e in sim.trace_dict()["traceEvents"] if e.get("ph") == "X"}
+    assert {"aten::addmm", "aten::mm", "all_reduce (avg)"} <= names
+    sim.reset()
+    with sim.mesh.activate():  # more commands than Meta's simulator records (10,000)
+        x = torch.ones(10)
+        for _ in range(11_000):
+            x.add_(1)
+    s = sim.summary()
+    assert s.commands >= 11_000
+    assert sum(1 for e in sim.trace_dict()["traceEvents"] if e.get("ph") == "X" and e["pid"] == 1) >= 11_000
+    sim.exit()
+
+
 def test_memory_per_rank_counts_a_known_tensor_and_names_the_peak():
     sim = monarch.Simulator(hosts=1, gpus=2, device="cpu")
     with sim.mesh.activate():

@@ -75,7 +75,21 @@ class SimBackend(Backend):
     # -- the controller's clock ----------------------------------------------------------------------
     def _enter(self) -> None:
         now = time.perf_counter()
-        self.clock += now - self._mark
+        self.clock = self._advance(now - self._mark)
+
+    def _advance(self, elapsed: float) -> float:
+        """The controller's clock after `elapsed` wall seconds of its own: slowed down by
+        `controller_slowdown` while simulated workers still compute (they share its cores)."""
+        f = self.dev.controller_slowdown
+        w = self.workers
+        if f <= 1.0 or w is None:
+            return self.clock + elapsed
+        busy = max(float(w.dispatch.max()), *(float(s.max()) for s in w.streams.values())) - self.clock
+        if busy <= 0:
+            return self.clock + elapsed
+        if elapsed * f <= busy:
+            return self.clock + elapsed * f
+        return self.clock + busy + (elapsed - busy / f)
 
     def _leave(self) -> None:
         self._mark = time.perf_counter()
@@ -83,7 +97,7 @@ class SimBackend(Backend):
     def now(self) -> float:
         """The controller's simulated time now (its wall time since the last message included)."""
         with self.lock:
-            return self.clock + (time.perf_counter() - self._mark)
+            return self._advance(time.perf_counter() - self._mark)
 
     # -- the seam ------------------------------------------------------------------------------------
     def start(self, mesh_id: int, shape: Shape, labels: list[str], progress=None) -> list[dict]:

@@ -45,6 +45,9 @@ class DeviceProfile:
     """Bytes per second per worker across hosts (its network port)."""
     wire_latency: float = 50e-6
     """Seconds from the controller to a worker and back, once (a batch's arrival, a fetched value's return)."""
+    controller_slowdown: float = 1.0
+    """How much slower the controller's Python runs while the workers compute: above 1 where they share its
+    cores (CPU workers on the notebook's machine); measured by `calibrate()`."""
     memory: int = 0
     """Bytes of device memory (0: not known); a rank that needs more is flagged."""
     alloc_round: int = 1
@@ -150,7 +153,9 @@ def load(path: str | os.PathLike) -> DeviceProfile:
     try:
         data = json.loads(p.read_text())
         fields = {f.name for f in dataclasses.fields(DeviceProfile)}
-        missing = fields - set(data) - {"wire_latency", "memory", "alloc_round", "source", "measured"}
+        missing = (
+            fields - set(data) - {"wire_latency", "controller_slowdown", "memory", "alloc_round", "source", "measured"}
+        )
         if missing or not isinstance(data, dict):
             raise ValueError(f"missing {', '.join(sorted(missing))}")
         return DeviceProfile(**{k: v for k, v in data.items() if k in fields})

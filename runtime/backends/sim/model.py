@@ -101,6 +101,7 @@ class SimWorkers:
         """Start a new recording window at `now` (events and memory history so far are dropped)."""
         self.events.clear()
         self.mem.clear()
+        self.commands = 0
         self.baseline = self.live.copy()
         self.window = now
         self.dispatch = np.maximum(self.dispatch, now)
@@ -430,9 +431,13 @@ def _aliased_inputs(func: Any, args: tuple, kwargs: dict) -> dict[int, int]:
             for r, ret in enumerate(schema.returns):
                 if ret.alias_info is None:
                     continue
+                sets = ret.alias_info.before_set
                 for i, a in enumerate(schema.arguments):
-                    if a.alias_info is not None and a.alias_info.before_set & ret.alias_info.before_set:
-                        plan[r] = (i, a.name)
+                    if a.alias_info is None:
+                        continue
+                    if sets & a.alias_info.before_set or (not sets and isinstance(ret.type, torch.ListType)):
+                        plan[r] = (i, a.name)  # (`Tensor(a)[]`, split and unbind: its sets are not exposed)
+                        break
         if func is torch.ops.aten._unsafe_view.default:  # a view whose schema says it is not
             plan = {0: (0, "self")}
         _alias_plans[func] = plan
