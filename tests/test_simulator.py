@@ -236,8 +236,9 @@ def test_memory_per_rank_counts_a_known_tensor_and_names_the_peak():
     sim = monarch.Simulator(hosts=1, gpus=2, device="cpu")
     with sim.mesh.activate():
         big = torch.zeros(1_000_003)
-        view = big[10:20]  # a view: no new memory
-        del view
+        view = big[10:20]  # views: no new memory
+        halves = big.split(500_002)
+        del view, halves
     s = sim.summary()
     assert s.peak_bytes == [4_000_012, 4_000_012]
     assert "test_simulator.py" in s.peak_where[0]
