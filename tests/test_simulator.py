@@ -165,8 +165,12 @@ def test_live_functions_and_cells_on_a_simulated_mesh_fail_saying_why():
     def f():
         return 1
 
-    with pytest.raises(monarch.RemoteError, match="cannot run on a simulated mesh"):
+    with pytest.raises(monarch.RemoteError, match="a live function cannot run on a simulated mesh"):
         f.on(sim.mesh)()
+    from monarch.runtime.cells import run_cell
+
+    with pytest.raises(monarch.RemoteError, match="a %%mesh cell cannot run on a simulated mesh"):
+        run_cell(sim.mesh, "print(rank)", "<cell>").result()
     sim.exit()
 
 

@@ -168,7 +168,12 @@ class SimBackend(Backend):
                 else:
                     out.append(self._envelope(r, P.Reply(msg.call_id, True), wire.dumps(_placeholder(fake))))
             return out
-        what = f"{name[0]}.{name[1]}" if name else "a live function or a %%mesh cell"
+        if name is None:
+            what = "a live function"
+        elif name[0] == "monarch.runtime.worker.cells":
+            what = "a %%mesh cell" if name[1] == "run_cell" else f"%mesh {name[1]}"
+        else:
+            what = f"{name[0]}.{name[1]}"
         err = P.ErrorInfo(
             "RuntimeError",
             f"{what} cannot run on a simulated mesh: it has no worker processes, only a cost model of the tensor "
