@@ -27,4 +27,5 @@ class Simulator(_Simulator):
 
         from monarch.widgets.sim_view import SimView
 
-        display(SimView(self.trace_dict(), self.summary()))
+        trace = self.trace_dict()
+        display(SimView(trace, self.summary(trace)))

@@ -10,7 +10,6 @@ one machine (links between hosts) is derived: twice the latency, half the bandwi
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import socket
@@ -51,8 +50,7 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
     def med(key: str) -> float:
         return statistics.median(r[key] for r in per_rank)
 
-    flops = max(v for k, v in per_rank[0].items() if k.startswith("matmul"))
-    flops = statistics.median(max(v for k, v in r.items() if k.startswith("matmul")) for r in per_rank) or flops
+    flops = statistics.median(max(v for k, v in r.items() if k.startswith("matmul")) for r in per_rank)
     enqueue = med("side_enqueue")
     side_op = max(med("side_total") - enqueue, 1e-7)
     main_op = med("main_op")
@@ -91,7 +89,7 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(profile.to_json())
     print(f"monarch.Simulator.calibrate: saved {out}", file=sys.stderr)
-    return dataclasses.replace(profile)
+    return profile
 
 
 def _engine_reduces(mesh, rtt: float, quick: bool) -> dict:

@@ -1,4 +1,4 @@
-"""What a torch op writes, read from its schema: shared by the controller (borrow rules, known values)
+"""What a torch op writes and which results share an input's memory, read from its schema: shared by the controller (borrow rules, known values)
 and the workers (poisoning). Takes op objects; imports nothing."""
 
 from __future__ import annotations
@@ -23,3 +23,30 @@ def written_args(op: Any, args: tuple, kwargs: dict) -> list:
         if arg.alias_info is not None and arg.alias_info.is_write:
             written.append(args[i] if i < len(args) else kwargs.get(arg.name))
     return written
+
+
+_alias_plans: dict[Any, list[tuple[int, int, str]]] = {}
+
+
+def alias_plan(op: Any) -> list[tuple[int, int, str]]:
+    """(result position, argument position, argument name) for each result of `op` that shares an argument's
+    memory: views and in-place results. Used by the controller (borrow rules cover views) and the simulator
+    (a view is no allocation)."""
+    plan = _alias_plans.get(op)
+    if plan is None:
+        plan = []
+        schema = getattr(op, "_schema", None)
+        if schema is not None:
+            for r, ret in enumerate(schema.returns):
+                if ret.alias_info is None:
+                    continue
+                sets = ret.alias_info.before_set
+                for i, a in enumerate(schema.arguments):
+                    if a.alias_info is None:
+                        continue
+                    if sets & a.alias_info.before_set or (not sets and ret.type.kind() == "ListType"):
+                        plan.append((r, i, a.name))  # (`Tensor(a)[]`, split and unbind: its sets are not exposed)
+        if str(op) == "aten._unsafe_view.default":  # a view whose schema says it is not
+            plan = [(0, 0, "self")]
+        _alias_plans[op] = plan
+    return plan

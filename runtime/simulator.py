@@ -163,9 +163,10 @@ class Simulator:
             json.dump(self.trace_dict(), f)
         return path
 
-    def summary(self) -> SimSummary:
-        """Per rank: the window's time in compute, communication and idle, overlap, and peak memory."""
-        trace = self.trace_dict()
+    def summary(self, trace: dict | None = None) -> SimSummary:
+        """Per rank: the window's time in compute, communication and idle, overlap, and peak memory (read from
+        `trace`, the window's `trace_dict()`, when the caller has it already)."""
+        trace = self.trace_dict() if trace is None else trace
         w = self._backend.workers
         with self._backend.lock:
             peak, when, what = w.memory()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from monarch.runtime import traces
 from monarch.widgets.style import esc, page
 from monarch.widgets.timeline import summary_table, timeline_svg
 
@@ -35,8 +36,6 @@ def render(trace: dict, summary: Any) -> str:
         f"<div class='monarch-progress'>monarch.Simulator on {esc(summary.device)}: {summary.commands} commands, "
         f"{summary.step_ms:.3f} ms simulated{more}</div>"
     )
-    from monarch.runtime import traces
-
     tl = summary.timeline
     table = summary_table(traces.Summary(tl.ranks[:MAX_RANKS], tl.slowest, tl.why))
     lines = (

@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch.utils._pytree import tree_map
 
 from monarch.runtime import protocol as P
-from monarch.runtime.op_schema import written_args
+from monarch.runtime.op_schema import alias_plan, written_args
 from monarch.runtime.protocol import Ref
 from monarch.runtime.tensor import known as known_values
 from monarch.runtime.tensor.checks import (
@@ -324,31 +324,11 @@ def _mutated_args(func, args: tuple, kwargs: dict) -> set[int]:
     return out
 
 
-_alias_plans: dict[Any, list[tuple[int, int, str]]] = {}
-
-
 def _note_aliases(func, args: tuple, kwargs: dict, out: Any) -> dict[int, Any]:
     """Results that share memory with an input (views, in-place results) remember whose memory it is, so
     that the borrow rules of that tensor cover them too. Returns id(result) -> the input it aliases."""
     found: dict[int, Any] = {}
-    plan = _alias_plans.get(func)
-    if plan is None:
-        plan = []
-        schema = getattr(func, "_schema", None)
-        if schema is not None:
-            for r, ret in enumerate(schema.returns):
-                sets = ret.alias_info.before_set if ret.alias_info is not None else set()
-                for i, a in enumerate(schema.arguments):
-                    if a.alias_info is None:
-                        continue
-                    if sets & a.alias_info.before_set:
-                        plan.append((r, i, a.name))
-                    elif ret.alias_info is not None and not sets and isinstance(ret.type, torch.ListType):
-                        plan.append((r, i, a.name))  # `Tensor(a)[]` (split, unbind): its sets are not exposed
-        if func is torch.ops.aten._unsafe_view.default:  # a view whose schema says it is not
-            plan = [(0, 0, "self")]
-        _alias_plans[func] = plan
-    for r, i, name in plan:
+    for r, i, name in alias_plan(func):
         src = args[i] if i < len(args) else kwargs.get(name)
         if not isinstance(src, Tensor):
             continue

@@ -29,30 +29,24 @@ class CudaMeansCpu(TorchFunctionMode):
         self.warn = warn
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        global _warned_cuda
-        if not self.warn:
-            _warned_cuda, was = True, _warned_cuda
-            try:
-                return self._map(func, args, kwargs)
-            finally:
-                _warned_cuda = was
-        return self._map(func, args, kwargs)
-
-    def _map(self, func, args, kwargs):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
-            _warn_cuda()
+            self._warn()
             return args[0].to("cpu")
         if func is torch.Tensor.to and any(_is_cuda(a) for a in args[1:]):
-            _warn_cuda()
+            self._warn()
             args = tuple("cpu" if _is_cuda(a) else a for a in args)
         dev = kwargs.get("device")
         if dev is None and func in _constructors() and _is_cuda(torch_device.CURRENT_DEVICE):
             dev = "cuda"  # torch.set_default_device("cuda"), found without making a tensor (that would init CUDA)
         if dev is not None and _is_cuda(dev):
-            _warn_cuda()
+            self._warn()
             kwargs = dict(kwargs, device="cpu")
         return func(*args, **kwargs)
+
+    def _warn(self) -> None:
+        if self.warn:
+            _warn_cuda()
 
 
 def _is_cuda(x: Any) -> bool:
@@ -69,7 +63,7 @@ def _warn_cuda() -> None:
     global _warned_cuda
     if not _warned_cuda:
         _warned_cuda = True
-        warnings.warn("the mesh's workers have no CUDA: tensors requested on 'cuda' are made on the CPU", stacklevel=3)
+        warnings.warn("the mesh's workers have no CUDA: tensors requested on 'cuda' are made on the CPU", stacklevel=4)
 
 
 def _constructors():

@@ -31,16 +31,6 @@ def _together() -> None:
         dist.barrier()
 
 
-def _best(fn, repeat: int) -> float:
-    _together()
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def _median(fn, repeat: int) -> float:
     _together()
     times = []
@@ -88,8 +78,6 @@ def measure(n_ops: int = 1000, quick: bool = False) -> dict:
         big = torch.ones(1 << 22, device=dev)
         t = _median(lambda: ([big + 1.0 for _ in range(20)], sync()), rep) / 20
         out["mem_bw"] = 2 * big.numel() * big.element_size() / t
-        small = torch.ones(64, device=dev)
-        out["small_op"] = _best(lambda: [small + 1.0 for _ in range(200)], rep) / 200
     finally:
         table.pop(x, None)
         table.pop(y, None)

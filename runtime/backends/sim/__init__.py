@@ -108,7 +108,7 @@ class SimBackend(Backend):
         device = "cpu" if self.dev.kind == "cpu" else "cuda:{}"
         return [
             {
-                "pid": None,
+                "pid": "-",
                 "host": f"sim-host{r // self.gpus_per_host}",
                 "device": device.format(r % self.gpus_per_host),
                 "simulated": self.dev.name,
@@ -156,8 +156,8 @@ class SimBackend(Backend):
             if not self.warned:
                 self.warned = True
                 out.append(self._envelope(msg.ranks[0], P.Output(msg.call_id, "stderr", _NOT_COMPUTED)))
+            fake = w.fake_of(ref)
             for r in msg.ranks:
-                fake = w.fake_of(ref)
                 if fake is None:
                     err = P.ErrorInfo(
                         "KeyError",

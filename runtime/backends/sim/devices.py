@@ -152,14 +152,15 @@ def load(path: str | os.PathLike) -> DeviceProfile:
     p = Path(path)
     try:
         data = json.loads(p.read_text())
-        fields = {f.name for f in dataclasses.fields(DeviceProfile)}
-        missing = (
-            fields - set(data) - {"wire_latency", "controller_slowdown", "memory", "alloc_round", "source", "measured"}
-        )
-        if missing or not isinstance(data, dict):
+        fields = dataclasses.fields(DeviceProfile)
+        required = {
+            f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        }
+        missing = required - set(data)
+        if missing:
             raise ValueError(f"missing {', '.join(sorted(missing))}")
-        return DeviceProfile(**{k: v for k, v in data.items() if k in fields})
-    except (OSError, ValueError, TypeError) as e:
+        return DeviceProfile(**{k: v for k, v in data.items() if k in {f.name for f in fields}})
+    except (OSError, ValueError, TypeError, AttributeError) as e:  # (AttributeError: JSON that is no object)
         raise ValueError(
             f"Simulator: {p} is not a device profile saved by monarch.Simulator.calibrate(): {e}"
         ) from None

@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from monarch.runtime import protocol as P
 from monarch.runtime.backends.sim import costs
 from monarch.runtime.backends.sim.devices import DeviceProfile
+from monarch.runtime.op_schema import alias_plan
 from monarch.runtime.protocol import Ref
 
 _COLLECTIVE = {
@@ -256,11 +257,11 @@ class SimWorkers:
         dur, flops, nb = costs.op_cost(self.dev, func, args, kwargs, out)
         kind = "comm" if cmd.name.startswith("c10d::") else "compute"
         start = self._run(idx, sid, dur, cmd.name, kind, cmd.where, flops, nb)
-        aliased = _aliased_inputs(func, cmd.args, cmd.kwargs)
-        for i, (ref, value) in enumerate(zip(_refs_by_position(cmd.out), _outputs(out))):
+        shares = _shared_memory(func, cmd)
+        for ref, value in zip(_flat(cmd.out), _flat(out)):
             if ref is None or not isinstance(value, torch.Tensor):
                 continue
-            src = aliased.get(i)
+            src = shares.get(ref)
             base = self.values.get(src) if src is not None else None
             if base is not None:
                 self.storages[base.storage][1] += 1
@@ -302,9 +303,7 @@ class SimWorkers:
                 self.mem.append(MemEvent(owners, times.copy(), -nb, "free"))
 
     def _reduce(self, idx: np.ndarray, sid: int, cmd: P.Reduce) -> None:
-        kind = _COLLECTIVE[(bool(cmd.scatter and cmd.reduction != "stack"), cmd.reduction == "stack")]
-        if cmd.reduction == "stack" and cmd.scatter:
-            kind = "all_to_all"
+        kind = _COLLECTIVE[(bool(cmd.scatter), cmd.reduction == "stack")]
         nb = _numel(cmd.shape) * _itemsize(cmd.dtype)
         ready = np.zeros(self.size)
         ready[idx] = self._ready(idx, sid)
@@ -397,69 +396,24 @@ def _refs(out: Any) -> list[int]:
     return []
 
 
-def _refs_by_position(out: Any) -> list[int | None]:
-    """The result ids of an op in the order `_outputs` lists its results."""
-    if isinstance(out, int) or out is None:
-        return [out]
-    return [o if isinstance(o, int) else None for o in _flat(out)]
+def _flat(x: Any) -> list:
+    """An op's results (or their ids, as the controller nests them) in order, one per tensor."""
+    if isinstance(x, list | tuple):
+        return [o for item in x for o in _flat(item)]
+    return [x]
 
 
-def _outputs(out: Any) -> list:
-    if isinstance(out, torch.Tensor) or out is None:
-        return [out]
-    return list(_flat(out)) if isinstance(out, list | tuple) else [out]
-
-
-def _flat(x: Any):
-    for o in x:
-        if isinstance(o, list | tuple):
-            yield from _flat(o)
-        else:
-            yield o
-
-
-_alias_plans: dict[Any, dict[int, tuple[int, str]]] = {}
-
-
-def _aliased_inputs(func: Any, args: tuple, kwargs: dict) -> dict[int, int]:
-    """Result position -> the id of the input whose memory it shares (views, in-place results)."""
-    plan = _alias_plans.get(func)
-    if plan is None:
-        plan = {}
-        schema = getattr(func, "_schema", None)
-        if schema is not None:
-            for r, ret in enumerate(schema.returns):
-                if ret.alias_info is None:
-                    continue
-                sets = ret.alias_info.before_set
-                for i, a in enumerate(schema.arguments):
-                    if a.alias_info is None:
-                        continue
-                    if sets & a.alias_info.before_set or (not sets and isinstance(ret.type, torch.ListType)):
-                        plan[r] = (i, a.name)  # (`Tensor(a)[]`, split and unbind: its sets are not exposed)
-                        break
-        if func is torch.ops.aten._unsafe_view.default:  # a view whose schema says it is not
-            plan = {0: (0, "self")}
-        _alias_plans[func] = plan
+def _shared_memory(func: Any, cmd: P.Op) -> dict[int, int]:
+    """Result id -> the id of the input whose memory it shares (views, in-place results: `alias_plan`)."""
     found = {}
-    for r, (i, name) in plan.items():
-        src = args[i] if i < len(args) else kwargs.get(name)
+    single = len(func._schema.returns) == 1
+    for r, i, name in alias_plan(func):
+        src = cmd.args[i] if i < len(cmd.args) else cmd.kwargs.get(name)
         if isinstance(src, Ref):
-            found[r] = src.id
-    if len(found) == 1 and 0 in found and len(func._schema.returns) == 1:
-        return _Every(found[0])  # one return, maybe a list (split, unbind): every result shares the input's memory
+            ids = cmd.out if single else (cmd.out[r] if isinstance(cmd.out, list) and r < len(cmd.out) else None)
+            for ref in _refs(ids):
+                found[ref] = src.id
     return found
-
-
-class _Every(dict):
-    """Every result position aliases one input."""
-
-    def __init__(self, ref: int) -> None:
-        super().__init__()
-        self.ref = ref
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        return self.ref
 
 
 def _numel(shape: tuple) -> int:
