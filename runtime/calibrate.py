@@ -1,8 +1,9 @@
 """`monarch.Simulator.calibrate()`: measure this machine and save a `DeviceProfile` for the simulator.
 
 On a machine with a GPU it measures the GPU (one worker per GPU); otherwise its CPU with `workers`
-workers, all measuring at once, so that workers sharing cores see what they get in a real run of that
-many. Measured: the per-command cost of the tensor engine's worker half on the main stream and on a side
+workers, all measuring at once while the controller issues commands (as in a step), so that workers
+sharing cores with each other and with the controller see what they get in a real run of that many.
+Measured: the per-command cost of the tensor engine's worker half on the main stream and on a side
 stream, matmul FLOP/s, memory bandwidth, a whole-mesh reduce of a small and a large tensor (fitted to the
 ring model's α and β), and the controller's round trip for a fetched value. What cannot be measured on
 one machine (links between hosts) is derived: twice the latency, half the bandwidth of the local links.
@@ -40,7 +41,10 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
     print(f"monarch.Simulator.calibrate: measuring {n} {'GPU' if gpus else 'CPU'} worker(s)…", file=sys.stderr)
     mesh = this_host().spawn_procs({"gpu": n})
     try:
-        per_rank = list(RemoteFunction.by_name(WORKER, "measure", mesh)(quick=quick))
+        pending = RemoteFunction.by_name(WORKER, "measure", mesh).call_async(quick=quick)
+        if not gpus:
+            _issue_while(mesh, pending)
+        per_rank = list(pending.result())
         rtt = _round_trip(mesh)
         comm = [_engine_reduces(mesh, rtt, quick)] if n > 1 else []
         slowdown = 1.0 if gpus else _controller_slowdown(mesh, quick)
@@ -90,6 +94,23 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
     out.write_text(profile.to_json())
     print(f"monarch.Simulator.calibrate: saved {out}", file=sys.stderr)
     return profile
+
+
+def _issue_while(mesh, pending) -> None:
+    """Issue tiny ops until `pending` is done: during a training step the controller issues commands while
+    the workers compute, and on a CPU machine it takes its share of the cores from them (they run behind
+    the measurement and are drained after it)."""
+    import torch
+
+    from monarch.runtime.tensor.values import inspect
+
+    with mesh.activate():
+        t = torch.ones(4)
+        while not pending.done():
+            for _ in range(20):
+                t.add_(1)
+            flush(mesh)
+    inspect(t)
 
 
 def _engine_reduces(mesh, rtt: float, quick: bool) -> dict:

@@ -42,6 +42,15 @@ def _median(fn, repeat: int) -> float:
     return times[len(times) // 2]
 
 
+def _repeats(fn, sync, seconds: float = 0.1) -> int:
+    """How many calls of `fn` take `seconds`: a sample that long spans many of the scheduler's time slices,
+    so workers sharing cores measure the rate they get together (a 3 ms sample often ran alone)."""
+    fn(), sync()
+    t = time.perf_counter()
+    fn(), sync()
+    return max(1, int(seconds / max(time.perf_counter() - t, 1e-9)))
+
+
 def _batch(cmds: list) -> list:
     return wire.dumps(P.pack_commands(cmds))
 
@@ -72,8 +81,8 @@ def measure(n_ops: int = 1000, quick: bool = False) -> dict:
         sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
         for n in (256,) if quick else (256, 512):
             a = torch.randn(n, n, device=dev)
-            k = max(1, int(2e9 / (2 * n**3)) // 20)  # ~0.1 s per sample (GPU: more): long enough that all workers
-            t = _median(lambda a=a, k=k: ([a @ a for _ in range(k)], sync()), rep) / k  # run it at once, sharing cores
+            k = _repeats(lambda a=a: a @ a, sync)
+            t = _median(lambda a=a, k=k: ([a @ a for _ in range(k)], sync()), rep) / k
             out[f"matmul{n}_flops"] = 2 * n**3 / t
         big = torch.ones(1 << 22, device=dev)
         t = _median(lambda: ([big + 1.0 for _ in range(20)], sync()), rep) / 20
