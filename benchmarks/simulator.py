@@ -14,6 +14,8 @@ profiled step; simulated: the simulator's summary). The error is (simulated - me
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import pickle
 import statistics
@@ -193,9 +195,6 @@ def sim_side(profile, hosts: int, gpus: int, make, train, data, n: int) -> dict:
 
 def _quietly(fn, *args, **kwargs):
     """`fn`, with what it says on stderr dropped (calibrating's progress lines)."""
-    import contextlib
-    import io
-
     with contextlib.redirect_stderr(io.StringIO()):
         return fn(*args, **kwargs)
 

@@ -45,9 +45,11 @@ def _median(fn, repeat: int) -> float:
 def _repeats(fn, sync, seconds: float = 0.1) -> int:
     """How many calls of `fn` take `seconds`: a sample that long spans many of the scheduler's time slices,
     so workers sharing cores measure the rate they get together (a 3 ms sample often ran alone)."""
-    fn(), sync()
+    fn()  # (warm)
+    sync()
     t = time.perf_counter()
-    fn(), sync()
+    fn()
+    sync()
     return max(1, int(seconds / max(time.perf_counter() - t, 1e-9)))
 
 
