@@ -47,6 +47,7 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
         per_rank = list(pending.result())
         rtt = _round_trip(mesh)
         comm = [_engine_reduces(mesh, rtt, quick)] if n > 1 else []
+        handoff = _handoff(mesh, quick) if n > 1 and not gpus else 0.0
         slowdown = 1.0 if gpus else _controller_slowdown(mesh, quick)
     finally:
         mesh.exit()
@@ -84,6 +85,9 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
         inter_bw=intra_bw / 2,
         wire_latency=rtt / 2,
         controller_slowdown=slowdown,
+        compute_contention=med("contention_compute") if n > 1 and not gpus else 1.0,
+        comm_contention=med("contention_comm") if n > 1 and not gpus else 1.0,
+        handoff=handoff,
         memory=base.memory if gpus else 0,
         alloc_round=base.alloc_round if gpus else 1,
         source=f"calibrated on {socket.gethostname()} with {n} workers, {datetime.date.today().isoformat()}",
@@ -140,6 +144,53 @@ def _engine_reduces(mesh, rtt: float, quick: bool) -> dict:
             times.append(max(done - issued - rtt, 0.0) / k)
         out[str(n)] = statistics.median(times)
     return out
+
+
+def _handoff(mesh, quick: bool) -> float:
+    """Seconds a CPU worker loses per hand-over between its threads: small reduces handed to a side stream
+    and waited for (a borrow, the reduce, its drop, an op on main: as a step reduces gradients) against
+    the same reduces back to back on that stream. Each hand-over wakes the main thread, then the stream's."""
+    import torch
+
+    from monarch.runtime.tensor.streams import Stream
+    from monarch.runtime.tensor.values import inspect
+
+    k, runs = (8, 2) if quick else (16, 9)  # (the difference is a few ms in 0.15 s: many runs, the median)
+    dim = mesh.names[0]
+    side = Stream("calibrate")
+    with mesh.activate():
+        t = torch.ones(SMALL)
+
+    def back_to_back() -> None:  # (one hand-over in all)
+        alias, borrow = side.borrow(t, mutable=True)
+        with side.activate():
+            for _ in range(k):
+                alias.reduce_(dim, "sum")
+        borrow.drop()
+
+    def handed() -> None:
+        for _ in range(k):
+            alias, borrow = side.borrow(t, mutable=True)
+            with side.activate():
+                alias.reduce_(dim, "sum")
+            borrow.drop()
+            t.mul_(0.5)
+
+    with mesh.activate():
+        back_to_back()  # (warm: the stream's thread and its groups)
+    inspect(t)
+    extra = []
+    for _ in range(runs):
+        took = []
+        for pattern in (back_to_back, handed) if len(extra) % 2 else (handed, back_to_back):
+            start = time.perf_counter()
+            with mesh.activate():
+                pattern()
+            inspect(t)
+            took.append((pattern, time.perf_counter() - start))
+        by = dict(took)
+        extra.append((by[handed] - by[back_to_back]) / (k - 1))
+    return max(statistics.median(extra), 0.0)
 
 
 def _controller_slowdown(mesh, quick: bool) -> float:

@@ -3,6 +3,7 @@ what a simulated mesh refuses (with words)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -281,6 +282,53 @@ def test_the_cost_model_follows_flops_bytes_and_dtype():
     assert t_out > 5 * t_in
 
 
+def _overlapped(**factors) -> dict:
+    """A side stream's reduce (~40 ms) with a ~10 ms matmul on main issued while it runs, then the drop
+    and an op on main, on 2 CPU workers of a made-up profile: {name: (start, end)} of rank 0, in ms of the
+    simulated clock."""
+    from monarch.runtime.backends.sim import devices
+
+    cpu = dataclasses.replace(
+        devices.DEVICES["cpu"], flops={"default": 3.3554432e9}, efficiency=1.0, op_overhead=0.0, dispatch=1e-6,
+        intra_latency=20e-3, **factors,
+    )  # fmt: skip
+    sim = monarch.Simulator(hosts=1, gpus=2, device=cpu)
+    comms = monarch.Stream("comms")
+    with sim.mesh.activate():
+        g, a = torch.ones(256), torch.rand(256, 256)
+        alias, borrow = comms.borrow(g, mutable=True)
+        with comms.activate():
+            alias.reduce_("gpu", "sum")
+        b = a @ a
+        borrow.drop()
+        b.add_(1)
+    monarch.inspect(b)
+    events = {e.name: (1e3 * float(e.start[0]), 1e3 * float(e.end[0])) for e in sim._backend.workers.events}
+    sim.exit()
+    return events
+
+
+def test_on_a_cpu_compute_and_a_reduce_that_overlap_share_the_cores_and_a_drop_costs_a_handoff():
+    alone = _overlapped()
+    (r0, r1), (m0, m1), (a0, _) = alone["all_reduce (sum)"], alone["aten::mm"], alone["aten::add_.Tensor"]
+    assert m1 - m0 == pytest.approx(10, abs=0.1) and r1 - r0 == pytest.approx(40, abs=0.5)
+    assert r0 <= m0 < r1 and a0 == pytest.approx(r1, abs=0.05)  # the drop waits for the reduce, no more
+    shared = _overlapped(compute_contention=2.0, comm_contention=4.0, handoff=3e-3)
+    (s0, s1), (n0, n1), (b0, _) = shared["all_reduce (sum)"], shared["aten::mm"], shared["aten::add_.Tensor"]
+    print(f"alone: matmul {m1 - m0:.1f} ms, reduce {r1 - r0:.1f} ms; sharing: {n1 - n0:.1f} ms, {s1 - s0:.1f} ms")
+    assert s0 <= n0 < s0 + 35  # (the simulated clock goes on with the controller's own time between them)
+    assert n1 - n0 == pytest.approx(20, abs=0.1)  # twice as slow while they overlap (all of its time)
+    # the reduce made a quarter of its progress for those 20 ms: 15 ms later than alone
+    assert s1 - s0 == pytest.approx(40 + 20 - 20 / 4, abs=0.1)
+    assert b0 == pytest.approx(s1 + 3, abs=0.05)  # the main thread's wake after the drop
+    # GPUs keep neither: the datasheet profiles have no contention and no hand-over cost
+    from monarch.runtime.backends.sim import devices
+
+    assert all(
+        (d.compute_contention, d.comm_contention, d.handoff) == (1.0, 1.0, 0.0) for d in devices.DEVICES.values()
+    )
+
+
 def test_calibration_measures_this_machine_and_the_simulator_uses_it(tmp_path, monkeypatch):
     monkeypatch.setenv("MONARCH_SIM_PROFILES", str(tmp_path))
     prof = monarch.Simulator.calibrate(workers=2, quick=True)
@@ -290,6 +338,10 @@ def test_calibration_measures_this_machine_and_the_simulator_uses_it(tmp_path, m
     for key in ("mem_bw", "op_overhead", "dispatch", "intra_latency", "intra_bw", "wire_latency"):
         assert saved[key] > 0, key
     assert saved["flops"]["float32"] > 1e8
+    if saved["kind"] == "cpu":  # compute and a reduce overlapping on 2 workers; hand-overs between threads
+        print("contention:", saved["compute_contention"], saved["comm_contention"], "handoff:", saved["handoff"])
+        assert saved["compute_contention"] >= 1.0 and saved["comm_contention"] >= 1.0 and saved["handoff"] >= 0.0
+        assert "contention_comm" in saved["measured"]["per_rank"][0]
     sim = monarch.Simulator(hosts=1, gpus=2, device="local")
     assert sim.device == prof
     with sim.mesh.activate():

@@ -8,6 +8,8 @@ the reduce with its failure check), so the per-command costs are the ones a real
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 
 import torch
@@ -89,7 +91,70 @@ def measure(n_ops: int = 1000, quick: bool = False) -> dict:
         big = torch.ones(1 << 22, device=dev)
         t = _median(lambda: ([big + 1.0 for _ in range(20)], sync()), rep) / 20
         out["mem_bw"] = 2 * big.numel() * big.element_size() / t
+        if dev == "cpu":
+            out.update(_contention(rep))
     finally:
         table.pop(x, None)
         table.pop(y, None)
     return out
+
+
+_CAP = 50.0
+"""The largest contention factor reported (a collective that made no progress at all reads as this)."""
+
+
+def _contention(rep: int) -> dict:
+    """How compute on the main thread and a collective on a stream thread slow each other down when they
+    overlap on a CPU worker, as in a training step where gradients are reduced during the backward pass.
+
+    Every worker starts a small reduce on a stream thread (the engine's: the data and a failure flag, then
+    the flag read) and at once computes on its main thread about half as long as the reduce takes alone.
+    From when each ends, with both alone as the baseline: `fc`, how many times longer the compute ran
+    while they overlapped, and `fm`, the same for the reduce (the simulator's sharing model, inverted)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return {}
+    data, flag = torch.ones(256), torch.zeros(1)
+
+    def reduce() -> None:
+        failed = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        dist.all_reduce(data)
+        failed.wait()
+        flag.item()
+
+    alone_r = _median(reduce, rep)
+    a = torch.randn(256, 256)
+    one = _median(lambda: a @ a, rep)
+    k = max(1, round(alone_r / 2 / max(one, 1e-9)))
+    alone_c = _median(lambda: [a @ a for _ in range(k)], rep)
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    ended: queue.SimpleQueue = queue.SimpleQueue()
+
+    def stream() -> None:
+        while jobs.get():
+            reduce()
+            ended.put(time.perf_counter())
+
+    threading.Thread(target=stream, name="calibrate-contention", daemon=True).start()
+    fcs, fms = [], []
+    try:
+        for _ in range(rep):
+            _together()
+            t0 = time.perf_counter()
+            jobs.put(True)
+            for _ in range(k):
+                a @ a
+            dc = time.perf_counter() - t0
+            dr = ended.get() - t0
+            if dc <= dr:  # the compute ended first: the reduce then ran alone for dr - dc
+                fc, fm = dc / alone_c, dc / max(alone_r - (dr - dc), dc / _CAP)
+            else:
+                fm, fc = dr / alone_r, dr / max(alone_c - (dc - dr), dr / _CAP)
+            fcs.append(min(max(fc, 1.0), _CAP))
+            fms.append(min(max(fm, 1.0), _CAP))
+    finally:
+        jobs.put(False)
+    fcs.sort()
+    fms.sort()
+    return {"contention_compute": fcs[len(fcs) // 2], "contention_comm": fms[len(fms) // 2]}

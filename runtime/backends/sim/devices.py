@@ -48,6 +48,16 @@ class DeviceProfile:
     controller_slowdown: float = 1.0
     """How much slower the controller's Python runs while the workers compute: above 1 where they share its
     cores (CPU workers on the notebook's machine); measured by `calibrate()`."""
+    compute_contention: float = 1.0
+    """How many times longer compute takes while a side stream of its worker runs a collective: on a CPU
+    they share cores (the main thread against gloo's threads); measured by `calibrate()`."""
+    comm_contention: float = 1.0
+    """How many times longer a collective takes while its worker's main stream computes (on a CPU a ring
+    waits for every worker's turn on the cores); measured by `calibrate()`."""
+    handoff: float = 0.0
+    """Seconds a CPU worker's main thread loses each time it waits for a side stream (a borrow's drop): it
+    is woken, then wakes that stream's thread with the next command. Long on busy cores; measured by
+    `calibrate()`."""
     memory: int = 0
     """Bytes of device memory (0: not known); a rank that needs more is flagged."""
     alloc_round: int = 1

@@ -4,10 +4,13 @@ Every rank has a command thread (the *dispatch* clock) and one clock per stream.
 controller sent it; each command costs the command thread `dispatch`. On a CPU worker the main stream
 runs on the command thread itself (so a wait on it holds back every later command, as on a real CPU
 worker); on a GPU the main stream is a queue like the others. A borrow makes the borrowing stream wait for
-the point the origin stream had reached; its drop makes the origin wait for the borrower. A collective
+the point the origin stream had reached; its drop makes the origin wait for the borrower (on a CPU,
+plus the calibrated cost of waking the threads, `handoff`). A collective
 starts when the last rank of its group reaches it; the time the others wait is communication too, as in
-a real trace. Memory: a result that does not alias an input is an allocation (at its op's start); a
-storage is freed when the last handle naming it is freed.
+a real trace. On a CPU, compute on the main stream and a side stream's work that overlap share the cores
+and slow each other down, by factors `calibrate()` measures (`SimWorkers._share`). Memory: a result that
+does not alias an input is an allocation (at its op's start); a storage is freed when the last handle
+naming it is freed.
 
 State is kept once per command, not per rank: clocks are numpy arrays over ranks, so a 512-rank mesh
 costs little more than a 4-rank one.
@@ -96,11 +99,16 @@ class SimWorkers:
         self.names: dict[int, str] = {0: "main"}
         """Stream id -> name, as the controller named it (known from borrows)."""
         self.commands = 0
+        self.open: dict[int, list[Event]] = {}
+        """Stream id (not main) -> its events that may still end after some rank's main stream is at."""
+        self.sharing = self.inline and (dev.compute_contention > 1.0 or dev.comm_contention > 1.0)
+        """Compute and a side stream's work slow each other down where they overlap (CPU workers)."""
 
     # -- clocks ------------------------------------------------------------------------------------
     def reset(self, now: float) -> None:
         """Start a new recording window at `now` (events and memory history so far are dropped)."""
         self.events.clear()
+        self.open.clear()
         self.mem.clear()
         self.commands = 0
         self.baseline = self.live.copy()
@@ -130,14 +138,72 @@ class SimWorkers:
         if sid == 0 and self.inline:
             start = self.dispatch[idx]
             end = start + dur
+            if self.sharing and kind == "compute" and len(self.streams) > 1:
+                end = self._share(idx, start, end)
             self.dispatch[idx] = end
         else:
             s = self._stream(sid)
             start = np.maximum(s[idx], self.dispatch[idx])
             end = start + dur
             s[idx] = end
-        self.events.append(Event(idx, sid, start, end, name, kind, where, flops, nb))
+        self._record(Event(idx, sid, start, end, name, kind, where, flops, nb))
         return start
+
+    def _record(self, ev: Event) -> None:
+        self.events.append(ev)
+        if ev.stream != 0 and self.sharing:
+            self.open.setdefault(ev.stream, []).append(ev)
+
+    def _share(self, idx: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """The end of a compute op on a CPU worker's main stream over [`start`, `end`) alone, where a side
+        stream of its rank is still busy (in a step: reducing gradients while the backward computes).
+
+        They share the cores: while both run, compute runs `compute_contention` times slower and the side
+        stream `comm_contention` times slower (both calibrated); whichever ends first leaves the other
+        alone. The side stream's later work moves back by what it lost, its events in the trace too."""
+        fc, fm = max(self.dev.compute_contention, 1.0), max(self.dev.comm_contention, 1.0)
+        dur = end - start
+        out = end.copy()
+        for sid, clock in self.streams.items():
+            if sid == 0:
+                continue
+            left = clock[idx] - start  # the side stream's work still to run, in seconds alone
+            busy = left > 0
+            if not busy.any():
+                continue
+            left = np.where(busy, left, 0.0)
+            compute_first = dur * fc <= left * fm
+            # how long the compute takes; the side stream gets 1/fm of that time's progress
+            took = np.where(compute_first, dur * fc, left * fm + dur - left * fm / fc)
+            out = np.maximum(out, np.where(busy, start + took, out))
+            stretched = np.where(busy, took, 0.0)
+            clock[idx] = np.where(busy, _stretch(clock[idx], start, stretched, fm), clock[idx])
+            self._stretch_events(sid, idx, start, stretched, fm)
+        return out
+
+    def _stretch_events(self, sid: int, idx: np.ndarray, start: np.ndarray, took: np.ndarray, fm: float) -> None:
+        pos = np.full(self.size, -1)
+        pos[idx] = np.arange(len(idx))
+        low = float(start.min())
+        prev = np.full(self.size, -np.inf)  # per rank: where the event before now ends
+        keep = []
+        for ev in self.open.get(sid, ()):  # (in the stream's order)
+            if float(ev.end.max()) <= low:  # over before any of these ranks' main streams are now: never again
+                continue
+            keep.append(ev)
+            p = pos[ev.ranks]
+            m = p >= 0
+            if not m.any():
+                continue
+            ranks = ev.ranks[m]
+            ev.start = ev.start.copy()
+            ev.end = ev.end.copy()
+            # an op queued behind another starts when that one now ends; one the stream was idle for still
+            # starts when it did (then waits for the cores, as a real trace shows it)
+            ev.start[m] = np.maximum(ev.start[m], prev[ranks])
+            ev.end[m] = _stretch(ev.end[m], start[p[m]], took[p[m]], fm)
+            prev[ranks] = ev.end[m]
+        self.open[sid] = keep
 
     def _ready(self, idx: np.ndarray, sid: int) -> np.ndarray:
         """When stream `sid` of ranks `idx` could start its next command (taking it included)."""
@@ -200,8 +266,9 @@ class SimWorkers:
         elif t is P.BorrowEnd:
             self._take(idx)
             done = self._stream(cmd.to_stream)[idx]
-            if cmd.from_stream == 0 and self.inline:
-                self.dispatch[idx] = np.maximum(self.dispatch[idx], done)
+            if cmd.from_stream == 0 and self.inline:  # the main thread waits for the drop: a hand-over
+                d = self.dispatch[idx]
+                self.dispatch[idx] = np.where(done > d, done + self.dev.handoff, d)
             else:
                 s = self._stream(cmd.from_stream)
                 s[idx] = np.maximum(s[idx], done)
@@ -318,7 +385,7 @@ class SimWorkers:
             end[groups] = (ready[groups].max(axis=1) + dur)[:, None]
         self._finish(idx, sid, end[idx])
         name = f"{kind} ({cmd.reduction})"
-        self.events.append(Event(idx, sid, ready[idx], end[idx], name, "comm", cmd.where, 0.0, nb))
+        self._record(Event(idx, sid, ready[idx], end[idx], name, "comm", cmd.where, 0.0, nb))
         if cmd.out != cmd.src:
             shape = _out_shape(cmd)
             self._new_value(cmd.out, _empty(self, shape, cmd.dtype), idx, ready[idx], cmd.where)
@@ -334,7 +401,7 @@ class SimWorkers:
                 costs.p2p_time(self.dev, nb, bool(self.hosts[s] != self.hosts[d])) if s != d else nb / self.dev.mem_bw
             )
         self._finish(idx, sid, end[idx])
-        self.events.append(Event(idx, sid, ready[idx], end[idx], "send/recv", "comm", cmd.where, 0.0, nb))
+        self._record(Event(idx, sid, ready[idx], end[idx], "send/recv", "comm", cmd.where, 0.0, nb))
         dst = np.array(sorted({d for _, d in cmd.pairs}), dtype=np.int64)
         self._new_value(cmd.out, _empty(self, cmd.shape, cmd.dtype), dst, end[dst], cmd.where)
 
@@ -374,6 +441,14 @@ class SimWorkers:
             if seg[i] > peak[r]:
                 peak[r], when[r], what[r] = seg[i], times[a + i], self.mem[which[a + i]].where
         return peak, when, what
+
+
+def _stretch(t: np.ndarray, start: np.ndarray, took: np.ndarray, fm: float) -> np.ndarray:
+    """Where a side stream's point `t` (planned as if alone) moves when, from `start`, it shares the cores
+    with compute for `took` seconds, progressing 1/`fm` as fast meanwhile."""
+    u = t - start
+    slow = took / fm  # the side stream's progress (seconds alone) while the compute runs
+    return np.where(u <= 0, t, np.where(u <= slow, start + u * fm, t + took - slow))
 
 
 class _Unknown(Exception):
