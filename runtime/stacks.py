@@ -59,9 +59,8 @@ def thread_stacks(skip: int | None = None) -> list[tuple[str, list[Frame]]]:
             code = frame.f_code
             name = code.co_filename
             if _shown(name):
-                frames.append(
-                    (where(name, frame.f_lineno, code.co_name), linecache.getline(name, frame.f_lineno).strip())
-                )  # fmt: skip
+                line = frame.f_lineno or 0  # (None for a frame caught between two instructions)
+                frames.append((where(name, line, code.co_name), linecache.getline(name, line).strip()))
             frame = frame.f_back
         if frames and frames[-1][0] == "<string>:1 in <module>":  # (a process's bootstrap: python -c)
             frames.pop()
