@@ -5,7 +5,8 @@ workers, all measuring at once while the controller issues commands (as in a ste
 sharing cores with each other and with the controller see what they get in a real run of that many.
 Measured: the per-command cost of the tensor engine's worker half on the main stream and on a side
 stream, matmul FLOP/s, memory bandwidth, a whole-mesh reduce of a small and a large tensor (fitted to the
-ring model's α and β), and the controller's round trip for a fetched value. What cannot be measured on
+ring model's α and β), and the controller's round trip for a fetched value; on a CPU also how compute and
+a reduce that overlap slow each other down, and what a hand-over between a worker's threads costs. What cannot be measured on
 one machine (links between hosts) is derived: twice the latency, half the bandwidth of the local links.
 """
 
