@@ -6,8 +6,9 @@ sharing cores with each other and with the controller see what they get in a rea
 Measured: the per-command cost of the tensor engine's worker half on the main stream and on a side
 stream, matmul FLOP/s, memory bandwidth, a whole-mesh reduce of a small and a large tensor (fitted to the
 ring model's α and β), and the controller's round trip for a fetched value; on a CPU also how compute and
-a reduce that overlap slow each other down, and what a hand-over between a worker's threads costs. What cannot be measured on
-one machine (links between hosts) is derived: twice the latency, half the bandwidth of the local links.
+a reduce that overlap slow each other down, and what a hand-over between a worker's threads costs. What
+cannot be measured on one machine (links between hosts) is derived: twice the latency, half the bandwidth
+of the local links.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
         per_rank = list(pending.result())
         rtt = _round_trip(mesh)
         comm = [_engine_reduces(mesh, rtt, quick)] if n > 1 else []
-        handoff = _handoff(mesh, quick) if n > 1 and not gpus else 0.0
+        shared_cores = n > 1 and not gpus  # (CPU workers: compute, reduces and threads contend)
+        handoff = _handoff(mesh, quick) if shared_cores else 0.0
         slowdown = 1.0 if gpus else _controller_slowdown(mesh, quick)
     finally:
         mesh.exit()
@@ -86,8 +88,8 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
         inter_bw=intra_bw / 2,
         wire_latency=rtt / 2,
         controller_slowdown=slowdown,
-        compute_contention=med("contention_compute") if n > 1 and not gpus else 1.0,
-        comm_contention=med("contention_comm") if n > 1 and not gpus else 1.0,
+        compute_contention=med("contention_compute") if shared_cores else 1.0,
+        comm_contention=med("contention_comm") if shared_cores else 1.0,
         handoff=handoff,
         memory=base.memory if gpus else 0,
         alloc_round=base.alloc_round if gpus else 1,

@@ -9,6 +9,7 @@ the reduce with its failure check), so the per-command costs are the ones a real
 from __future__ import annotations
 
 import queue
+import statistics
 import threading
 import time
 
@@ -155,6 +156,4 @@ def _contention(rep: int) -> dict:
             fms.append(min(max(fm, 1.0), _CAP))
     finally:
         jobs.put(False)
-    fcs.sort()
-    fms.sort()
-    return {"contention_compute": fcs[len(fcs) // 2], "contention_comm": fms[len(fms) // 2]}
+    return {"contention_compute": statistics.median(fcs), "contention_comm": statistics.median(fms)}

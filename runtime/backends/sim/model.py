@@ -173,12 +173,12 @@ class SimWorkers:
                 continue
             left = np.where(busy, left, 0.0)
             compute_first = dur * fc <= left * fm
-            # how long the compute takes; the side stream gets 1/fm of that time's progress
-            took = np.where(compute_first, dur * fc, left * fm + dur - left * fm / fc)
-            out = np.maximum(out, np.where(busy, start + took, out))
-            stretched = np.where(busy, took, 0.0)
-            clock[idx] = np.where(busy, _stretch(clock[idx], start, stretched, fm), clock[idx])
-            self._stretch_events(sid, idx, start, stretched, fm)
+            # how long the compute takes (0 where the side stream is idle); the side stream gets 1/fm of
+            # that time's progress
+            took = np.where(busy, np.where(compute_first, dur * fc, left * fm + dur - left * fm / fc), 0.0)
+            out = np.maximum(out, start + took)
+            clock[idx] = _stretch(clock[idx], start, took, fm)
+            self._stretch_events(sid, idx, start, took, fm)
         return out
 
     def _stretch_events(self, sid: int, idx: np.ndarray, start: np.ndarray, took: np.ndarray, fm: float) -> None:
@@ -196,8 +196,6 @@ class SimWorkers:
             if not m.any():
                 continue
             ranks = ev.ranks[m]
-            ev.start = ev.start.copy()
-            ev.end = ev.end.copy()
             # an op queued behind another starts when that one now ends; one the stream was idle for still
             # starts when it did (then waits for the cores, as a real trace shows it)
             ev.start[m] = np.maximum(ev.start[m], prev[ranks])
