@@ -30,18 +30,8 @@ import monarch
 from monarch.actor import this_host
 from monarch.runtime.simulator import Simulator
 
-
-class Net(nn.Module):  # the tutorial's
-    def __init__(self):
-        super().__init__()
-        layers = []
-        for _ in range(8):
-            layers.append(nn.Linear(4, 4))
-            layers.append(nn.ReLU())
-        self.layers = nn.Sequential(*layers)
-
-    def forward(self, input, target):
-        return torch.nn.functional.cross_entropy(self.layers(input), target)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from tutorial_ddp import Net, make_train  # noqa: E402  (the tutorial's, shared with tests/test_simulator.py)
 
 
 class Block(nn.Module):
@@ -76,56 +66,19 @@ class Tiny(nn.Module):
         return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), target.view(-1))
 
 
-COMMS: list = []
-
-
-def variant(v: int):
-    def train(model, input, target):
-        loss = model(input, target)
-        rparameters = list(reversed(list(model.parameters())))
-        grads = monarch.grad_generator(loss, rparameters)
-        comms = COMMS[0]
-        with torch.no_grad():
-            if v == 1:
-                it = iter(zip(rparameters, grads))
-                todo = next(it, None)
-                while todo is not None:
-                    param, grad = todo
-                    grad.reduce_("dp", "sum")
-                    todo = next(it, None)
-                    param += 0.01 * grad
-                return loss
-            it = iter((p, g, *comms.borrow(g, mutable=True)) for p, g in zip(rparameters, grads))
-            todo = next(it, None)
-            while todo is not None:
-                param, grad, comm_grad, borrow = todo
-                with comms.activate():
-                    comm_grad.reduce_("dp", "sum")
-                if v == 2:
-                    borrow.drop()
-                todo = next(it, None)
-                if v == 3:
-                    borrow.drop()
-                param += 0.01 * grad
-        return loss
-
-    return train
-
-
-PROGRAMS = {
-    "DDP variant 1 (one stream)": (Net, variant(1), lambda: (torch.rand(3, 4), torch.full((3,), 1, dtype=torch.int64))),
-    "DDP variant 2 (drop at once)": (
-        Net,
-        variant(2),
-        lambda: (torch.rand(3, 4), torch.full((3,), 1, dtype=torch.int64)),
-    ),
-    "DDP variant 3 (drop late)": (Net, variant(3), lambda: (torch.rand(3, 4), torch.full((3,), 1, dtype=torch.int64))),
-    "transformer, 2 blocks d=128 (variant 3)": (
-        Tiny,
-        variant(3),
-        lambda: (torch.randint(0, 256, (8, 64)), torch.randint(0, 256, (8, 64))),
-    ),
-}
+def programs(comms) -> dict:
+    """name -> (model class, train, data); the DDP variants are the tutorial's, `comms` their side stream."""
+    ddp_data = lambda: (torch.rand(3, 4), torch.full((3,), 1, dtype=torch.int64))  # noqa: E731
+    return {
+        "DDP variant 1 (one stream)": (Net, make_train(1, comms), ddp_data),
+        "DDP variant 2 (drop at once)": (Net, make_train(2, comms), ddp_data),
+        "DDP variant 3 (drop late)": (Net, make_train(3, comms), ddp_data),
+        "transformer, 2 blocks d=128 (variant 3)": (
+            Tiny,
+            make_train(3, comms),
+            lambda: (torch.randint(0, 256, (8, 64)), torch.randint(0, 256, (8, 64))),
+        ),
+    }
 
 
 def steps(mesh, make, train, data, n: int, clock, between=None) -> tuple[list[float], object]:
@@ -215,7 +168,6 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="a calibrated profile (default: calibrate before each round)")
     ap.add_argument("--only", default="", help="run the programs whose name contains this")
     args = ap.parse_args()
-    COMMS.append(monarch.Stream("comms"))
     profile_path = args.profile or os.path.join(tempfile.mkdtemp(), "calibrated.json")
     mesh = this_host().spawn_procs({"gpu": args.workers}).rename(gpu="dp")
     print(f"{os.cpu_count()} cores, {args.workers} CPU workers, torch {torch.__version__}; profile "
@@ -223,7 +175,7 @@ def main() -> None:
     print(f"{'program':<42}{'step ms real':>13}{'sim':>8}{'err':>8}{'peak KiB real':>15}{'sim':>9}{'err':>8}"
           f"{'overlap % real':>16}{'sim':>7}")  # fmt: skip
     rows = []
-    for name, (make, train, data) in PROGRAMS.items():
+    for name, (make, train, data) in programs(monarch.Stream("comms")).items():
         if args.only and args.only not in name:
             continue
         reals, sims = [], []

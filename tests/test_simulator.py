@@ -15,57 +15,11 @@ import time
 import pytest
 import torch
 import torch.nn as nn
+from tutorial_ddp import Net, make_train
 
 import monarch
 
 pytestmark = pytest.mark.timeout(180)
-
-
-class Net(nn.Module):  # the tutorial's
-    def __init__(self):
-        super().__init__()
-        layers = []
-        for _ in range(8):
-            layers.append(nn.Linear(4, 4))
-            layers.append(nn.ReLU())
-        self.layers = nn.Sequential(*layers)
-
-    def forward(self, input, target):
-        output = self.layers(input)
-        return torch.nn.functional.cross_entropy(output, target)
-
-
-def make_train(variant: int, comms):
-    """The tutorial's `train`, in its three versions (seed 001: DDP Example, Overlapping Comms/Compute)."""
-
-    def train(model, input, target):
-        loss = model(input, target)
-        rparameters = list(reversed(list(model.parameters())))
-        grads = monarch.grad_generator(loss, rparameters)
-        with torch.no_grad():
-            if variant == 1:
-                it = iter(zip(rparameters, grads))
-                todo = next(it, None)
-                while todo is not None:
-                    param, grad = todo
-                    grad.reduce_("dp", "sum")
-                    todo = next(it, None)
-                    param += 0.01 * grad
-                return
-            it = iter((param, grad, *comms.borrow(grad, mutable=True)) for param, grad in zip(rparameters, grads))
-            todo = next(it, None)
-            while todo is not None:
-                param, grad, comm_grad, borrow = todo
-                with comms.activate():
-                    comm_grad.reduce_("dp", "sum")
-                if variant == 2:
-                    borrow.drop()
-                todo = next(it, None)
-                if variant == 3:
-                    borrow.drop()
-                param += 0.01 * grad
-
-    return train
 
 
 def simulate(variant: int, hosts: int = 1, gpus: int = 4, **kw) -> monarch.Simulator:
