@@ -113,6 +113,20 @@ def test_inspect_gives_the_shape_and_dtype_and_says_the_values_were_not_computed
     sim.exit()
 
 
+def test_commands_sent_under_activate_run_once_and_issue_none_of_their_own():
+    # A batch sent from user code under `mesh.activate()` (here by `inspect`; in a step by a full batch at a
+    # reduce) runs in this process: the simulated workers' fake-tensor calls must not be captured as commands.
+    sim = monarch.Simulator(hosts=1, gpus=2, trace_mode="full")
+    with sim.mesh.activate():
+        x = torch.randint(0, 5, (3,))
+        y = torch.nn.functional.embedding(x, torch.rand(5, 4))
+        v = monarch.inspect(y)
+    assert type(v) is torch.Tensor and v.shape == (3, 4) and torch.isnan(v).all()
+    ops = [e["name"] for e in sim.trace_dict()["traceEvents"] if e.get("ph") == "X" and e["pid"] == 0]
+    assert ops == ["aten::randint.low", "aten::rand", "aten::embedding"]
+    sim.exit()
+
+
 def test_live_functions_and_cells_on_a_simulated_mesh_fail_saying_why():
     sim = monarch.Simulator(hosts=1, gpus=2)
 

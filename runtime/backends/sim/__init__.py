@@ -120,7 +120,9 @@ class SimBackend(Backend):
         w = self.workers
         assert w is not None and mesh_id == self.mesh_id
         reply = None
-        with self.lock:
+        # The controller sends from user code, maybe under `mesh.activate()`: the simulated workers' own torch
+        # calls (fake tensors, placeholders) must not be captured by its modes as new commands.
+        with self.lock, torch.utils._python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction():
             self._enter()
             try:
                 idx = np.arange(w.size) if ranks is None else np.asarray(ranks, dtype=np.int64)
