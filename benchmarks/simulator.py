@@ -3,12 +3,13 @@ transformer's training step, simulated with this machine's calibrated CPU profil
 CPU mesh of the same shape, side by side in one run.
 
 Reported per program: step time (median over measured steps after two warm-up steps, and over rounds that
-alternate the two sides, each ended by fetching a value, as a notebook
-does), peak memory above the step's start (real: `monarch.memory`'s CPU recording; simulated: the model's
-allocations), and the overlap of communication with compute (real: `monarch.profiler`'s summary of one
-profiled step; simulated: the simulator's summary). The error is (simulated - measured) / measured.
+alternate the two sides, each ended by fetching a value, as a notebook does; each round's error too, which
+shows how much of the error is the machine changing speed between rounds), peak memory above the step's
+start (real: `monarch.memory`'s CPU recording; simulated: the model's allocations), and the overlap of
+communication with compute (real: `monarch.profiler`'s summary of one profiled step; simulated: the
+simulator's summary). The error is (simulated - measured) / measured.
 
-    python benchmarks/simulator.py [--workers 4] [--steps 6] [--profile PATH]
+    python benchmarks/simulator.py [--workers 4] [--steps 12] [--rounds 2] [--profile PATH] [--only NAME]
 """
 
 from __future__ import annotations
@@ -172,7 +173,8 @@ def main() -> None:
     mesh = this_host().spawn_procs({"gpu": args.workers}).rename(gpu="dp")
     print(f"{os.cpu_count()} cores, {args.workers} CPU workers, torch {torch.__version__}; profile "
           f"{args.profile or 'calibrated before each round (a VM speeds up and slows down within minutes)'}")  # fmt: skip
-    print(f"{'program':<42}{'step ms real':>13}{'sim':>8}{'err':>8}{'peak KiB real':>15}{'sim':>9}{'err':>8}"
+    print(f"{'program':<42}{'step ms real':>13}{'sim':>8}{'err':>8}{'err per round':>16}{'peak KiB real':>15}"
+          f"{'sim':>9}{'err':>8}"
           f"{'overlap % real':>16}{'sim':>7}")  # fmt: skip
     rows = []
     for name, (make, train, data) in programs(monarch.Stream("comms")).items():
@@ -188,8 +190,9 @@ def main() -> None:
         e_step = (sim["step"] - real["step"]) / real["step"]
         e_peak = (sim["peak"] - real["peak"]) / real["peak"] if real["peak"] else float("nan")
         rows.append((name, real, sim))
+        per_round = "/".join(f"{100 * (s['step'] - r['step']) / r['step']:+.0f}" for r, s in zip(reals, sims))
         print(f"{name:<42}{1000 * real['step']:>13.2f}{1000 * sim['step']:>8.2f}{100 * e_step:>7.0f}%"
-              f"{real['peak'] / 1024:>15.1f}{sim['peak'] / 1024:>9.1f}{100 * e_peak:>7.0f}%"
+              f"{per_round:>16}{real['peak'] / 1024:>15.1f}{sim['peak'] / 1024:>9.1f}{100 * e_peak:>7.0f}%"
               f"{real['overlap']:>16.1f}{sim['overlap']:>7.1f}", flush=True)  # fmt: skip
     mesh.exit()
     if len(rows) < 3:
