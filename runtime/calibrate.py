@@ -5,10 +5,10 @@ workers, all measuring at once while the controller issues commands (as in a ste
 sharing cores with each other and with the controller see what they get in a real run of that many.
 Measured: the per-command cost of the tensor engine's worker half on the main stream and on a side
 stream, matmul FLOP/s, memory bandwidth, a whole-mesh reduce of a small and a large tensor (fitted to the
-ring model's α and β), and the controller's round trip for a fetched value; on a CPU also how compute and
-a reduce that overlap slow each other down, and what a hand-over between a worker's threads costs. What
-cannot be measured on one machine (links between hosts) is derived: twice the latency, half the bandwidth
-of the local links.
+ring model's α and β) and of one element (gloo's ring skips empty segments), and the controller's round
+trip for a fetched value; on a CPU also how compute and a reduce that overlap slow each other down, and
+what a hand-over between a worker's threads costs. What cannot be measured on one machine (links between
+hosts) is derived: twice the latency, half the bandwidth of the local links.
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
         compute_contention=med("contention_compute") if shared_cores else 1.0,
         comm_contention=med("contention_comm") if shared_cores else 1.0,
         handoff=handoff,
+        reduce_floor=statistics.median(c["1"] for c in comm) if comm and shared_cores else 0.0,
         memory=base.memory if gpus else 0,
         alloc_round=base.alloc_round if gpus else 1,
         source=f"calibrated on {socket.gethostname()} with {n} workers, {datetime.date.today().isoformat()}",
@@ -121,9 +122,10 @@ def _issue_while(mesh, pending) -> None:
 
 
 def _engine_reduces(mesh, rtt: float, quick: bool) -> dict:
-    """Seconds per whole-mesh `reduce_("sum")` of 256 and of 2**18 floats (gloo is quicker still for a tensor
-    smaller than the mesh, which a model's gradients never are), issued through the tensor engine as a
-    program issues them (back to back, then a fetch), the controller's issuing and the round trip taken out."""
+    """Seconds per whole-mesh `reduce_("sum")` of 1, 256 and 2**18 floats (gloo's ring is quicker for a tensor
+    of fewer elements than two per rank, such as a small layer's bias: the one-element time bounds that),
+    issued through the tensor engine as a program issues them (back to back, then a fetch), the
+    controller's issuing and the round trip taken out."""
     import torch
 
     from monarch.runtime.tensor.values import inspect
@@ -131,7 +133,7 @@ def _engine_reduces(mesh, rtt: float, quick: bool) -> dict:
     k, runs = (8, 2) if quick else (16, 5)
     dim = mesh.names[0]
     out = {}
-    for n in (SMALL, 1 << 18):
+    for n in (1, SMALL, 1 << 18):
         with mesh.activate():
             t = torch.ones(n)
             t.reduce_(dim, "sum")

@@ -248,6 +248,27 @@ def test_the_cost_model_follows_flops_bytes_and_dtype():
     t_out = costs.collective_time(h100, "all_reduce", n, 8, True)
     assert t_in == pytest.approx(h100.op_overhead + min(14 * 6e-6 + 2 * 7 / 8 * n / 370e9, 6 * 6e-6 + 2 * n / 370e9))
     assert t_out > 5 * t_in
+    # gloo (CPU workers) cuts a tensor into 2 segments per rank and skips empty ones: on 4 workers, a tensor
+    # of fewer than 8 elements costs the one-element floor plus (e-1)/7 of the rest of the full ring
+    cpu = dataclasses.replace(
+        devices.DEVICES["cpu"], op_overhead=0.0, dispatch=1e-6, intra_latency=1e-3, intra_bw=1e15, reduce_floor=2e-3
+    )
+    full = 6e-3  # 2(p-1)·α
+    for elements, want in ((1, 2e-3), (4, 2e-3 + 3 / 7 * 4e-3), (7, 2e-3 + 6 / 7 * 4e-3), (8, full), (100, full)):
+        got = costs.collective_time(cpu, "all_reduce", 4 * elements, 4, False, elements)
+        assert got == pytest.approx(want, rel=1e-6), elements
+    assert costs.collective_time(h100, "all_reduce", 16, 8, False, 4) == costs.collective_time(
+        h100, "all_reduce", 16, 8, False
+    )  # (NCCL: no such effect modelled)
+    sim = monarch.Simulator(hosts=1, gpus=4, device=cpu)
+    with sim.mesh.activate():
+        bias, weight = torch.ones(4), torch.ones(4, 4)
+        bias.reduce_("gpu", "sum")
+        weight.reduce_("gpu", "sum")
+    sim.summary()
+    took = [float(e.end[0] - e.start[0]) for e in sim._backend.workers.events if e.name.startswith("all_reduce")]
+    sim.exit()
+    assert took == [pytest.approx(2e-3 + 3 / 7 * 4e-3), pytest.approx(full)]
 
 
 def _overlapped(**factors) -> dict:
@@ -310,6 +331,7 @@ def test_calibration_measures_this_machine_and_the_simulator_uses_it(tmp_path, m
         print("contention:", saved["compute_contention"], saved["comm_contention"], "handoff:", saved["handoff"])
         assert saved["compute_contention"] >= 1.0 and saved["comm_contention"] >= 1.0 and saved["handoff"] >= 0.0
         assert "contention_comm" in saved["measured"]["per_rank"][0]
+        assert saved["reduce_floor"] == saved["measured"]["collectives"][0]["1"] > 0  # gloo, one element
     sim = monarch.Simulator(hosts=1, gpus=2, device="local")
     assert sim.device == prof
     with sim.mesh.activate():

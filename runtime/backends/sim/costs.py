@@ -9,6 +9,9 @@ Collectives follow the models NCCL's own tuning uses, with α the per-step laten
 the slowest link the group crosses (across hosts when the group spans hosts):
   all-reduce      ring: 2(p-1)·α + 2(p-1)/p · n/β       tree: 2·log2(p)·α + 2·n/β   (NCCL: the faster one;
                                                         gloo on CPU workers: the ring)
+                  gloo's ring cuts the tensor into 2p segments and skips empty ones: a tensor of e < 2p
+                  elements costs the measured one-element all-reduce (`reduce_floor`) plus (e-1)/(2p-1)
+                  of the rest of the full ring's time
   reduce-scatter  (p-1)·α + (p-1)/p · n/β
   all-gather      (p-1)·α + (p-1) · n/β                 (n: one rank's input)
   all-to-all      (p-1)·α + (p-1)/p · n/β
@@ -75,16 +78,24 @@ def link(dev: DeviceProfile, spans_hosts: bool) -> tuple[float, float]:
     return (dev.inter_latency, dev.inter_bw) if spans_hosts else (dev.intra_latency, dev.intra_bw)
 
 
-def collective_time(dev: DeviceProfile, kind: str, n: int, p: int, spans_hosts: bool) -> float:
+def collective_time(
+    dev: DeviceProfile, kind: str, n: int, p: int, spans_hosts: bool, elements: int | None = None
+) -> float:
     """Seconds for a collective of `kind` (all_reduce, reduce_scatter, all_gather, all_to_all) over `p` ranks
-    of `n` bytes per rank (its input)."""
+    of `n` bytes per rank (its input), `elements` of them."""
     if p <= 1:
         return dev.op_overhead
     a, b = link(dev, spans_hosts)
     if kind == "all_reduce":
         ring = 2 * (p - 1) * a + 2 * (p - 1) / p * n / b
         tree = 2 * math.log2(p) * a + 2 * n / b
-        t = ring if dev.kind == "cpu" else min(ring, tree)  # gloo's all-reduce is a ring
+        if dev.kind != "cpu":
+            t = min(ring, tree)
+        elif elements is not None and 0 < elements < 2 * p and 0 < dev.reduce_floor < dev.op_overhead + ring:
+            full = dev.op_overhead + ring  # gloo: fewer non-empty segments than the ring has
+            return dev.reduce_floor + (elements - 1) / (2 * p - 1) * (full - dev.reduce_floor)
+        else:
+            t = ring  # gloo's all-reduce is a ring
     elif kind == "all_gather":
         t = (p - 1) * a + (p - 1) * n / b
     else:  # reduce_scatter, all_to_all

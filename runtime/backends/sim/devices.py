@@ -58,6 +58,10 @@ class DeviceProfile:
     """Seconds a CPU worker's main thread loses each time it waits for a side stream (a borrow's drop): it
     is woken, then wakes that stream's thread with the next command. Long on busy cores; measured by
     `calibrate()`."""
+    reduce_floor: float = 0.0
+    """Seconds a whole-host all-reduce of one element takes on CPU workers (0: not measured). gloo's ring cuts
+    a tensor into two segments per rank and skips empty ones, so a tensor of fewer elements than that costs
+    less than the ring's full latency (a 4-float bias among 4 workers: about half); measured by `calibrate()`."""
     memory: int = 0
     """Bytes of device memory (0: not known); a rank that needs more is flagged."""
     alloc_round: int = 1

@@ -378,8 +378,9 @@ class SimWorkers:
             p = groups.shape[1]
             hosts = self.hosts[groups]
             spans = hosts.min(axis=1) != hosts.max(axis=1)
-            dur = np.where(spans, costs.collective_time(self.dev, kind, nb, p, True),
-                           costs.collective_time(self.dev, kind, nb, p, False))  # fmt: skip
+            e = _numel(cmd.shape)
+            dur = np.where(spans, costs.collective_time(self.dev, kind, nb, p, True, e),
+                           costs.collective_time(self.dev, kind, nb, p, False, e))  # fmt: skip
             end[groups] = (ready[groups].max(axis=1) + dur)[:, None]
         self._finish(idx, sid, end[idx])
         name = f"{kind} ({cmd.reduction})"
