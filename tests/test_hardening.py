@@ -8,8 +8,10 @@ working, memory stays bounded and no process is left behind. Tests that need ano
 import json
 import os
 import re
+import select
 import signal
-import socket
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -30,39 +32,42 @@ NOBODY = 65534
 root_only = pytest.mark.skipif(os.getuid() != 0, reason="needs root, to act as another user (nobody)")
 
 
-def as_nobody(fn, *args) -> int:
-    """Fork a child that becomes uid/gid `nobody` and runs `fn(*args)`; returns (pid, read end of the pipe
-    its JSON result comes on)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: no threads but this one, the parent's modules already imported
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            result = fn(*args)
-        except BaseException as e:
-            result = {"error": f"{type(e).__name__}: {e}"}
-        os.write(w, json.dumps(result).encode())
-        os._exit(0)
-    os.close(w)
-    return pid, r
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-def result_of(pid: int, r: int, timeout: float = 60) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done:
+def as_nobody(attack: str, *args) -> subprocess.Popen:
+    """Run `attacker.<attack>(*args)` as uid/gid `nobody` in a fresh interpreter (a fork of this threaded
+    process could hang on a lock another thread held), and wait until it says it is in place."""
+    code = (
+        "import json, sys, attacker; attacker.become_nobody(); "
+        "print(json.dumps(getattr(attacker, sys.argv[1])(*json.loads(sys.argv[2]))))"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, attack, json.dumps(args)], cwd=TESTS, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    line, deadline = b"", time.monotonic() + 60
+    while not line.endswith(b"\n") and select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))[0]:
+        byte = os.read(proc.stdout.fileno(), 1)  # (byte by byte: what follows stays for communicate())
+        if not byte:
             break
-        time.sleep(0.02)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        raise AssertionError("the attacker process did not finish")
-    with os.fdopen(r) as f:
-        return json.loads(f.read())
+        line += byte
+    if line != b"ready\n":
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"the attacker process did not start: {err[-2000:]}")
+    return proc
+
+
+def result_of(proc: subprocess.Popen, timeout: float = 60) -> dict:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise AssertionError("the attacker process did not finish") from None
+    assert proc.returncode == 0, err[-2000:]
+    return json.loads(out.splitlines()[-1])
 
 
 def _rss_mib() -> float:
@@ -113,24 +118,7 @@ def test_another_user_cannot_reach_the_store_or_the_sockets_of_a_local_mesh(mesh
     assert not (_socket_inodes(os.getpid()) & _listening_tcp_inodes()), "the controller listens on TCP"
     store_path = backend.transport.store_addr.removeprefix("ipc://")
 
-    def attack() -> dict:
-        out = {}
-        try:
-            os.listdir(backend.dir)
-            out["listdir"] = "allowed"
-        except PermissionError:
-            out["listdir"] = "refused"
-        s = socket.socket(socket.AF_UNIX)
-        try:
-            s.connect(store_path)
-            out["connect"] = "allowed"
-        except PermissionError:
-            out["connect"] = "refused"
-        finally:
-            s.close()
-        return out
-
-    assert result_of(*as_nobody(attack)) == {"listdir": "refused", "connect": "refused"}
+    assert result_of(as_nobody("local_mesh", backend.dir, store_path)) == {"listdir": "refused", "connect": "refused"}
     assert list(echo.on(mesh)(2)) == [2] * len(mesh)
 
 
@@ -151,37 +139,13 @@ def test_another_user_can_neither_read_commands_nor_use_the_store_over_tcp():
         assert cmd_addr.startswith("tcp://127.0.0.1:")
         secret = b"SECRET-ARGUMENT-" + os.urandom(8).hex().encode()
 
-        def attack() -> dict:
-            ctx = zmq.Context()
-            public, private = zmq.curve_keypair()
-            sub = ctx.socket(zmq.XSUB)
-            sub.curve_serverkey, sub.curve_publickey, sub.curve_secretkey = server_public, public, private
-            sub.connect(cmd_addr)
-            for t in (b"", topic):
-                sub.send(b"\x01" + t)
-            plain = ctx.socket(zmq.SUB)  # no CURVE at all
-            plain.setsockopt(zmq.SUBSCRIBE, b"")
-            plain.connect(cmd_addr)
-            store = ctx.socket(zmq.DEALER)
-            store.curve_serverkey, store.curve_publickey, store.curve_secretkey = server_public, public, private
-            store.connect(store_addr)
-            store.send_multipart(wire.encode(os.urandom(32), 0, 0, 1, protocol.pack(protocol.StoreNumKeys())))
-            got, seen_secret, deadline = 0, False, time.monotonic() + 3
-            while time.monotonic() < deadline:
-                for s in (sub, plain):
-                    if s.poll(50):
-                        got += 1
-                        seen_secret = seen_secret or secret in b"".join(s.recv_multipart())
-            answered = bool(store.poll(500))
-            ctx.destroy(0)
-            return {"received": got, "saw_secret": seen_secret, "store_answered": answered}
-
-        pid, r = as_nobody(attack)
+        args = (server_public.decode(), topic.hex(), cmd_addr, store_addr, secret.hex())
+        attacker = as_nobody("tcp_mesh", *args)
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline:  # commands with the secret go out while the stranger listens
             assert list(echo.on(mesh)(secret)) == [len(secret)] * 2
             time.sleep(0.05)
-        assert result_of(pid, r) == {"received": 0, "saw_secret": False, "store_answered": False}
+        assert result_of(attacker) == {"received": 0, "saw_secret": False, "store_answered": False}
         pids = [i["pid"] for i in spawned.info]
     finally:
         ctl.shutdown()
