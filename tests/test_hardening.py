@@ -2,7 +2,7 @@
 
 Each test plays the attacker found by probing the runtime (issue 10), then checks that meshes keep
 working, memory stays bounded and no process is left behind. Tests that need another uid run as root
-(they fork a child that drops to `nobody`) and are skipped otherwise, saying so.
+(they start a child that drops to `nobody`) and are skipped otherwise, saying so.
 """
 
 import json
@@ -289,12 +289,13 @@ def test_the_next_start_removes_what_a_killed_controller_left(tmp_path):
     from monarch.runtime.backends.procs import clean_stale_dirs, private_dir
 
     root = tempfile.gettempdir()
-    child = os.fork()
-    if child == 0:  # a short-lived process that makes two directories as a controller does, then dies
-        private_dir("monarch-")
-        private_dir("monarch-mp-")
-        os._exit(0)
-    os.waitpid(child, 0)
+    # a short-lived process that makes two directories as a controller does, then dies (a fresh interpreter:
+    # a fork of this threaded process could hang on a lock another thread held)
+    code = "from monarch.runtime.backends.procs import private_dir; private_dir('monarch-'); private_dir('monarch-mp-')"
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    child = proc.pid
     left = []
     for name in os.listdir(root):
         if name.startswith("monarch-"):
