@@ -9,7 +9,7 @@ start (real: `monarch.memory`'s CPU recording; simulated: the model's allocation
 communication with compute (real: `monarch.profiler`'s summary of one profiled step; simulated: the
 simulator's summary). The error is (simulated - measured) / measured.
 
-    python benchmarks/simulator.py [--workers 4] [--steps 12] [--rounds 2] [--profile PATH] [--only NAME]
+    python benchmarks/simulator.py [--workers 4] [--steps 12] [--rounds 3] [--profile PATH] [--only NAME]
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--rounds", type=int, default=2, help="measure each side this many times; report the median")
+    ap.add_argument("--rounds", type=int, default=3, help="measure each side this many times; report the median")
     ap.add_argument("--profile", default=None, help="a calibrated profile (default: calibrate before each round)")
     ap.add_argument("--only", default="", help="run the programs whose name contains this")
     args = ap.parse_args()
