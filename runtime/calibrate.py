@@ -48,8 +48,8 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
             _issue_while(mesh, pending)
         per_rank = list(pending.result())
         rtt = _round_trip(mesh)
-        comm = [_engine_reduces(mesh, rtt, quick)] if n > 1 else []
-        shared_cores = n > 1 and not gpus  # (CPU workers: compute, reduces and threads contend)
+        shared_cores = n > 1 and not gpus  # (CPU workers: compute, reduces and threads contend; gloo's ring)
+        comm = [_engine_reduces(mesh, rtt, quick, one_element=shared_cores)] if n > 1 else []
         handoff = _handoff(mesh, quick) if shared_cores else 0.0
         slowdown = 1.0 if gpus else _controller_slowdown(mesh, quick)
     finally:
@@ -91,7 +91,7 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
         compute_contention=med("contention_compute") if shared_cores else 1.0,
         comm_contention=med("contention_comm") if shared_cores else 1.0,
         handoff=handoff,
-        reduce_floor=statistics.median(c["1"] for c in comm) if comm and shared_cores else 0.0,
+        reduce_floor=statistics.median(c["1"] for c in comm) if shared_cores else 0.0,
         memory=base.memory if gpus else 0,
         alloc_round=base.alloc_round if gpus else 1,
         source=f"calibrated on {socket.gethostname()} with {n} workers, {datetime.date.today().isoformat()}",
@@ -121,9 +121,10 @@ def _issue_while(mesh, pending) -> None:
     inspect(t)
 
 
-def _engine_reduces(mesh, rtt: float, quick: bool) -> dict:
-    """Seconds per whole-mesh `reduce_("sum")` of 1, 256 and 2**18 floats (gloo's ring is quicker for a tensor
-    of fewer elements than two per rank, such as a small layer's bias: the one-element time bounds that),
+def _engine_reduces(mesh, rtt: float, quick: bool, one_element: bool) -> dict:
+    """Seconds per whole-mesh `reduce_("sum")` of 256 and 2**18 floats, and of 1 if `one_element` (gloo's ring
+    is quicker for a tensor of fewer elements than two per rank, such as a small layer's bias: the
+    one-element time bounds that),
     issued through the tensor engine as a program issues them (back to back, then a fetch), the
     controller's issuing and the round trip taken out."""
     import torch
@@ -133,7 +134,7 @@ def _engine_reduces(mesh, rtt: float, quick: bool) -> dict:
     k, runs = (8, 2) if quick else (16, 5)
     dim = mesh.names[0]
     out = {}
-    for n in (1, SMALL, 1 << 18):
+    for n in (1, SMALL, 1 << 18) if one_element else (SMALL, 1 << 18):
         with mesh.activate():
             t = torch.ones(n)
             t.reduce_(dim, "sum")

@@ -1,5 +1,6 @@
-"""What a torch op writes and which results share an input's memory, read from its schema: shared by the controller (borrow rules, known values)
-and the workers (poisoning). Takes op objects; imports nothing."""
+"""What a torch op writes and which results share an input's memory, read from its schema: shared by the
+controller (borrow rules, known values), the workers (poisoning) and the simulator (a view is no
+allocation). Takes op objects; imports nothing."""
 
 from __future__ import annotations
 

@@ -28,7 +28,6 @@ from monarch.runtime.mesh import ProcMesh
 
 from conftest import wait_gone, worker_pids
 
-NOBODY = 65534
 root_only = pytest.mark.skipif(os.getuid() != 0, reason="needs root, to act as another user (nobody)")
 
 

@@ -369,7 +369,8 @@ class SimWorkers:
 
     def _reduce(self, idx: np.ndarray, sid: int, cmd: P.Reduce) -> None:
         kind = _COLLECTIVE[(bool(cmd.scatter), cmd.reduction == "stack")]
-        nb = _numel(cmd.shape) * _itemsize(cmd.dtype)
+        elements = _numel(cmd.shape)
+        nb = elements * _itemsize(cmd.dtype)
         ready = np.zeros(self.size)
         ready[idx] = self._ready(idx, sid)
         end = ready.copy()
@@ -378,9 +379,8 @@ class SimWorkers:
             p = groups.shape[1]
             hosts = self.hosts[groups]
             spans = hosts.min(axis=1) != hosts.max(axis=1)
-            e = _numel(cmd.shape)
-            dur = np.where(spans, costs.collective_time(self.dev, kind, nb, p, True, e),
-                           costs.collective_time(self.dev, kind, nb, p, False, e))  # fmt: skip
+            dur = np.where(spans, costs.collective_time(self.dev, kind, nb, p, True, elements),
+                           costs.collective_time(self.dev, kind, nb, p, False, elements))  # fmt: skip
             end[groups] = (ready[groups].max(axis=1) + dur)[:, None]
         self._finish(idx, sid, end[idx])
         name = f"{kind} ({cmd.reduction})"
