@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
+import perfetto_tp
 import pytest
 import torch
 
@@ -33,15 +33,6 @@ def _names_by_pid(merged: dict) -> dict[int, set[str]]:
         if e.get("ph") == "X":
             out.setdefault(e["pid"], set()).add(e["name"])
     return out
-
-
-def _trace_processor_module():
-    """PyPI `perfetto`'s trace processor, when its binary is here: the package downloads it from
-    commondatastorage.googleapis.com on first use, which this machine cannot reach."""
-    tp_mod = pytest.importorskip("perfetto.trace_processor")
-    if not (os.environ.get("PERFETTO_TRACE_PROCESSOR") or shutil.which("trace_processor_shell")):
-        pytest.skip("Perfetto's trace_processor_shell binary is not here (set PERFETTO_TRACE_PROCESSOR to its path)")
-    return tp_mod
 
 
 @pytest.fixture(scope="module")
@@ -95,20 +86,20 @@ def test_a_profiled_tensor_engine_loop_writes_a_trace_per_rank_and_a_merged_one(
 
 
 def test_perfettos_trace_processor_reads_the_merged_trace(mesh4, tmp_path):
-    tp_mod = _trace_processor_module()
+    perfetto_tp.require()
     with mesh4.activate(), profile(on_trace_ready=str(tmp_path)):
         with record_function("forward"):
             x = torch.rand(8, 8) @ torch.rand(8, 8)
         x.reduce_("gpu", reduction="sum")
-    tp = tp_mod.TraceProcessor(trace=str(tmp_path / "merged.pt.trace.json"), config=tp_mod.TraceProcessorConfig(
-        bin_path=os.environ.get("PERFETTO_TRACE_PROCESSOR") or shutil.which("trace_processor_shell")))  # fmt: skip
-    try:
-        procs = {row.name for row in tp.query("select name from process where name like 'rank %'")}
-        assert procs == {f"rank {r} (gpu={r})" for r in range(4)}
-        slices = {row.name for row in tp.query("select distinct name from slice")}
-        assert {"forward", "aten::mm"} <= slices
-    finally:
-        tp.close()
+    procs, slices, errors = perfetto_tp.query(
+        tmp_path / "merged.pt.trace.json",
+        "select name from process where name like 'rank %'",
+        "select distinct name from slice",
+        "select name, value from stats where severity in ('error', 'data_loss') and value > 0",
+    )
+    assert {r["name"] for r in procs} == {f"rank {r} (gpu={r})" for r in range(4)}
+    assert {"forward", "aten::mm"} <= {r["name"] for r in slices}
+    assert errors == []
 
 
 @monarch.remote

@@ -18,10 +18,18 @@ CONTROLLER_PID_OFFSET = 1
 """The controller's process id in the trace: the number of ranks plus this."""
 
 
+def stream_tid(n_ranks: int, sid: int) -> int:
+    """The thread id of stream `sid` in every rank's process: above every rank's pid, since Perfetto's importer
+    reads a thread id of 0 as the process's main thread (tid = pid), and a stream whose id were that pid would
+    share its track (rank 1's main stream and a stream of id 1 did)."""
+    return n_ranks + CONTROLLER_PID_OFFSET + 1 + sid
+
+
 def build(w: SimWorkers, labels: list[str], full: bool, controller: list[tuple[float, float, str]]) -> dict:
     """The trace of `w`'s recorded window; `controller`: (start, end, what) spans of the controller's."""
     t0 = w.origin()
     cat = "kernel" if w.dev.kind == "gpu" else "cpu_op"
+    n = len(labels)
     events: list[dict] = []
     used: set[tuple[int, int]] = set()
     for r, label in enumerate(labels):
@@ -38,11 +46,13 @@ def build(w: SimWorkers, labels: list[str], full: bool, controller: list[tuple[f
         durs = (e.end - e.start) * 1e6
         for r, ts, dur in zip(e.ranks.tolist(), starts.tolist(), durs.tolist()):
             used.add((r, e.stream))
-            events.append({"ph": "X", "cat": cat, "name": e.name, "pid": r, "tid": e.stream,
+            events.append({"ph": "X", "cat": cat, "name": e.name, "pid": r, "tid": stream_tid(n, e.stream),
                            "ts": round(ts, 3), "dur": round(dur, 3), "args": args})  # fmt: skip
     for r, sid in sorted(used):
         name = w.names.get(sid, f"stream {sid}")
-        events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": sid, "args": {"name": f"stream {name}"}})
+        events.append(
+            {"ph": "M", "name": "thread_name", "pid": r, "tid": stream_tid(n, sid), "args": {"name": f"stream {name}"}}
+        )
     if full:
         pid = len(labels) + CONTROLLER_PID_OFFSET
         events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": "controller"}})
