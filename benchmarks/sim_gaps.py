@@ -22,6 +22,7 @@ import torch
 import monarch
 from monarch.actor import this_host
 
+
 @monarch.remote
 def _start() -> None:
     from monarch.runtime.worker.engine import commands
