@@ -9,7 +9,7 @@ start (real: `monarch.memory`'s CPU recording; simulated: the model's allocation
 communication with compute (real: `monarch.profiler`'s summary of one profiled step; simulated: the
 simulator's summary). The error is (simulated - measured) / measured.
 
-    python benchmarks/simulator.py [--workers 4] [--steps 12] [--rounds 3] [--profile PATH] [--only NAME]
+    python benchmarks/simulator.py [--workers 4] [--steps 12] [--rounds 5] [--profile PATH] [--only NAME]
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--rounds", type=int, default=3, help="measure each side this many times; report the median")
+    ap.add_argument("--rounds", type=int, default=5, help="measure each side this many times; report the median")
     ap.add_argument("--profile", default=None, help="a calibrated profile (default: calibrate before each round)")
     ap.add_argument("--only", default="", help="run the programs whose name contains this")
     args = ap.parse_args()
@@ -173,7 +173,7 @@ def main() -> None:
     mesh = this_host().spawn_procs({"gpu": args.workers}).rename(gpu="dp")
     print(f"{os.cpu_count()} cores, {args.workers} CPU workers, torch {torch.__version__}; profile "
           f"{args.profile or 'calibrated before each round (a VM speeds up and slows down within minutes)'}")  # fmt: skip
-    print(f"{'program':<42}{'step ms real':>13}{'sim':>8}{'err':>8}{'err per round':>16}{'peak KiB real':>15}"
+    print(f"{'program':<42}{'step ms real':>13}{'sim':>8}{'err':>8}{'err per round':>22}{'peak KiB real':>15}"
           f"{'sim':>9}{'err':>8}"
           f"{'overlap % real':>16}{'sim':>7}")  # fmt: skip
     rows = []
@@ -192,7 +192,7 @@ def main() -> None:
         rows.append((name, real, sim))
         per_round = "/".join(f"{100 * (s['step'] - r['step']) / r['step']:+.0f}" for r, s in zip(reals, sims))
         print(f"{name:<42}{1000 * real['step']:>13.2f}{1000 * sim['step']:>8.2f}{100 * e_step:>7.0f}%"
-              f"{per_round:>16}{real['peak'] / 1024:>15.1f}{sim['peak'] / 1024:>9.1f}{100 * e_peak:>7.0f}%"
+              f"{per_round:>22}{real['peak'] / 1024:>15.1f}{sim['peak'] / 1024:>9.1f}{100 * e_peak:>7.0f}%"
               f"{real['overlap']:>16.1f}{sim['overlap']:>7.1f}", flush=True)  # fmt: skip
     mesh.exit()
     if len(rows) < 3:

@@ -1,22 +1,25 @@
 """`monarch.Simulator.calibrate()`: measure this machine and save a `DeviceProfile` for the simulator.
 
 On a machine with a GPU it measures the GPU (one worker per GPU); otherwise its CPU with `workers`
-workers, all measuring at once while the controller issues commands (as in a step), so that workers
-sharing cores with each other and with the controller see what they get in a real run of that many.
-Measured: the per-command cost of the tensor engine's worker half on the main stream and on a side
+workers, all measuring at once, so that workers sharing cores see what they get in a real run of that
+many. Measured: the per-command cost of the tensor engine's worker half on the main stream and on a side
 stream, matmul FLOP/s, memory bandwidth, a whole-mesh reduce of a small and a large tensor (fitted to the
 ring model's α and β) and of one element (gloo's ring skips empty segments), and the controller's round
-trip for a fetched value; on a CPU also how compute and a reduce that overlap slow each other down, and
-what a hand-over between a worker's threads costs. What cannot be measured on one machine (links between
-hosts) is derived: twice the latency, half the bandwidth of the local links.
+trip for a fetched value; on a CPU also how compute and a reduce that overlap slow each other down, what
+a hand-over between a worker's threads costs, and how much the controller's Python and the workers slow
+each other down when they run at once (as they do while the controller issues a step). What cannot be
+measured on one machine (links between hosts) is derived: twice the latency, half the bandwidth of the
+local links.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,15 +46,13 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
     print(f"monarch.Simulator.calibrate: measuring {n} {'GPU' if gpus else 'CPU'} worker(s)…", file=sys.stderr)
     mesh = this_host().spawn_procs({"gpu": n})
     try:
-        pending = RemoteFunction.by_name(WORKER, "measure", mesh).call_async(quick=quick)
-        if not gpus:
-            _issue_while(mesh, pending)
-        per_rank = list(pending.result())
+        per_rank = list(RemoteFunction.by_name(WORKER, "measure", mesh).call_async(quick=quick).result())
         rtt = _round_trip(mesh)
         shared_cores = n > 1 and not gpus  # (CPU workers: compute, reduces and threads contend; gloo's ring)
         comm = [_engine_reduces(mesh, rtt, quick, one_element=shared_cores)] if n > 1 else []
         handoff = _handoff(mesh, quick) if shared_cores else 0.0
         slowdown = 1.0 if gpus else _controller_slowdown(mesh, quick)
+        load = _controller_load(mesh, rtt, quick) if shared_cores else 1.0
     finally:
         mesh.exit()
 
@@ -88,6 +89,7 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
         inter_bw=intra_bw / 2,
         wire_latency=rtt / 2,
         controller_slowdown=slowdown,
+        controller_load=load,
         compute_contention=med("contention_compute") if shared_cores else 1.0,
         comm_contention=med("contention_comm") if shared_cores else 1.0,
         handoff=handoff,
@@ -102,23 +104,6 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
     out.write_text(profile.to_json())
     print(f"monarch.Simulator.calibrate: saved {out}", file=sys.stderr)
     return profile
-
-
-def _issue_while(mesh, pending) -> None:
-    """Issue tiny ops until `pending` is done: during a training step the controller issues commands while
-    the workers compute, and on a CPU machine it takes its share of the cores from them (they run behind
-    the measurement and are drained after it)."""
-    import torch
-
-    from monarch.runtime.tensor.values import inspect
-
-    with mesh.activate():
-        t = torch.ones(4)
-        while not pending.done():
-            for _ in range(20):
-                t.add_(1)
-            flush(mesh)
-    inspect(t)
 
 
 def _engine_reduces(mesh, rtt: float, quick: bool, one_element: bool) -> dict:
@@ -231,6 +216,61 @@ def _controller_slowdown(mesh, quick: bool) -> float:
         inspect(t)
         ratios.append(busy / idle)
     return max(1.0, statistics.median(ratios))
+
+
+def _controller_load(mesh, rtt: float, quick: bool) -> float:
+    """How many times longer the workers' work takes while the controller runs Python on their machine (as
+    it does while it issues a step): the engine's small reduces back to back, with another process
+    computing beside them and without, alternately. A reduce waits for every worker's turn on the cores,
+    so it feels a core taken more than compute does (on 2 cores and 4 workers: 1.4 times, compute 1.2)."""
+    import torch
+
+    from monarch.runtime.tensor.values import inspect
+
+    k, runs = (8, 2) if quick else (16, 6)
+    dim = mesh.names[0]
+    with mesh.activate():
+        t = torch.ones(SMALL)
+        t.reduce_(dim, "sum")
+    inspect(t)
+
+    def per_reduce() -> float:
+        with mesh.activate():
+            for _ in range(k):
+                t.reduce_(dim, "sum")
+        start = time.perf_counter()
+        inspect(t)
+        return max(time.perf_counter() - start - rtt, 1e-9) / k
+
+    idle, busy = [], []
+    for i in range(2 * runs):
+        if i % 2:
+            with _spinning():
+                busy.append(per_reduce())
+        else:
+            idle.append(per_reduce())
+    return max(1.0, statistics.median(busy) / statistics.median(idle))
+
+
+@contextlib.contextmanager
+def _spinning():
+    """Another process computing on this machine (pure Python, one thread) while the block runs; it ends
+    with the block, or by itself if this process dies."""
+    code = (
+        "import os, sys\n"
+        "parent = os.getppid()\n"
+        "sys.stdout.write('x'); sys.stdout.flush()\n"
+        "while os.getppid() == parent:\n"
+        "    for _ in range(100000): pass\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-I", "-c", code], stdout=subprocess.PIPE)
+    try:
+        proc.stdout.read(1)  # (it is spinning)
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
 
 
 def _round_trip(mesh) -> float:

@@ -319,6 +319,50 @@ def test_on_a_cpu_compute_and_a_reduce_that_overlap_share_the_cores_and_a_drop_c
     )
 
 
+def _beside_the_controller(wait, load: float) -> tuple[float, float]:
+    """A 40 ms reduce on 2 CPU workers of a made-up profile, sent just before the controller spends ~30 ms
+    in `wait`: (how long the reduce took, how long the controller's clock moved meanwhile), in ms."""
+    from monarch.runtime.backends.sim import devices
+
+    cpu = dataclasses.replace(
+        devices.DEVICES["cpu"], op_overhead=0.0, dispatch=1e-6, intra_latency=20e-3, controller_load=load
+    )
+    sim = monarch.Simulator(hosts=1, gpus=2, device=cpu)
+    with sim.mesh.activate():
+        g = torch.ones(256)
+        g.reduce_("gpu", "sum")
+    sent = sim.time
+    wait(0.03)
+    with sim.mesh.activate():
+        g.add_(1)
+    gap = sim.time - sent
+    monarch.inspect(g)
+    (reduce,) = [e for e in sim._backend.workers.events if e.name.startswith("all_reduce")]
+    sim.exit()
+    return 1e3 * float(reduce.end[0] - reduce.start[0]), 1e3 * gap
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_on_a_cpu_the_controllers_python_slows_down_the_workers_of_its_host():
+    alone, _ = _beside_the_controller(_spin, 1.0)
+    assert alone == pytest.approx(40, abs=0.1)
+    # twice as slow while the controller computes: the reduce made half its progress for `gap` ms
+    took, gap = _beside_the_controller(_spin, 2.0)
+    print(f"reduce alone {alone:.1f} ms; beside {gap:.1f} ms of the controller's Python: {took:.1f} ms")
+    assert gap > 25 and 40 + 0.25 * gap <= took <= 40 + 0.5 * gap + 0.5  # (its share of a core: 1/2 or more)
+    slept, gap = _beside_the_controller(time.sleep, 2.0)  # a controller that waits takes no core
+    assert took - 40 > 2 * (slept - 40) and slept <= 40 + 0.1 * gap
+    # GPU workers do not share the controller's cores
+    from monarch.runtime.backends.sim import devices
+
+    assert all(d.controller_load == 1.0 for d in devices.DEVICES.values())
+
+
 def test_calibration_measures_this_machine_and_the_simulator_uses_it(tmp_path, monkeypatch):
     monkeypatch.setenv("MONARCH_SIM_PROFILES", str(tmp_path))
     prof = monarch.Simulator.calibrate(workers=2, quick=True)
@@ -333,6 +377,8 @@ def test_calibration_measures_this_machine_and_the_simulator_uses_it(tmp_path, m
         assert saved["compute_contention"] >= 1.0 and saved["comm_contention"] >= 1.0 and saved["handoff"] >= 0.0
         assert "contention_comm" in saved["measured"]["per_rank"][0]
         assert saved["reduce_floor"] == saved["measured"]["collectives"][0]["1"] > 0  # gloo, one element
+        print("controller load:", saved["controller_load"])
+        assert saved["controller_load"] >= 1.0
     sim = monarch.Simulator(hosts=1, gpus=2, device="local")
     assert sim.device == prof
     with sim.mesh.activate():

@@ -7,7 +7,8 @@ were not computed (NaN for floating point, zeros otherwise), and says so once. L
 
 The controller's own time counts: between two messages the controller's clock moves by the wall time the
 user's program took (the simulator's own work left out), so what the controller does in Python — building
-modules, autograd, computing metadata — is in the timeline as it would be in a real run.
+modules, autograd, computing metadata — is in the timeline as it would be in a real run. While it computes,
+it slows down the workers of its host (`SimWorkers.controller_busy`), as it takes a share of their cores.
 """
 
 from __future__ import annotations
@@ -68,14 +69,18 @@ class SimBackend(Backend):
         self.clock = 0.0
         """The controller's simulated time (seconds)."""
         self._mark = time.perf_counter()
+        self._cpu_mark = time.process_time()
         self.controller_spans: list[tuple[float, float, str]] = []
         self.warned = False
         self._seq = 0
 
     # -- the controller's clock ----------------------------------------------------------------------
     def _enter(self) -> None:
-        now = time.perf_counter()
-        self.clock = self._advance(now - self._mark)
+        elapsed = time.perf_counter() - self._mark
+        start, self.clock = self.clock, self._advance(elapsed)
+        if self.workers is not None and elapsed > 0:
+            # (the share of that time the program computed: none while it slept or waited on something else)
+            self.workers.controller_busy(start, self.clock, min(1.0, (time.process_time() - self._cpu_mark) / elapsed))
 
     def _advance(self, elapsed: float) -> float:
         """The controller's clock after `elapsed` wall seconds of its own: slowed down by
@@ -93,6 +98,7 @@ class SimBackend(Backend):
 
     def _leave(self) -> None:
         self._mark = time.perf_counter()
+        self._cpu_mark = time.process_time()
 
     def now(self) -> float:
         """The controller's simulated time now (its wall time since the last message included)."""

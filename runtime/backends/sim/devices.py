@@ -48,6 +48,10 @@ class DeviceProfile:
     controller_slowdown: float = 1.0
     """How much slower the controller's Python runs while the workers compute: above 1 where they share its
     cores (CPU workers on the notebook's machine); measured by `calibrate()`."""
+    controller_load: float = 1.0
+    """How many times longer the workers' work takes while the controller runs the program's Python (issuing
+    commands, autograd): above 1 where it takes its share of their cores (CPU workers on the notebook's
+    machine; ranks of the first host); measured by `calibrate()`."""
     compute_contention: float = 1.0
     """How many times longer compute takes while a side stream of its worker runs a collective: on a CPU
     they share cores (the main thread against gloo's threads); measured by `calibrate()`."""

@@ -10,7 +10,8 @@ starts when the last rank of its group reaches it; the time the others wait is c
 a real trace. On a CPU, compute on the main stream and a side stream's work that overlap share the cores
 and slow each other down, by factors `calibrate()` measures (`SimWorkers._share`). Memory: a result that
 does not alias an input is an allocation (at its op's start); a storage is freed when the last handle
-naming it is freed.
+naming it is freed. While the controller computes (issuing commands, autograd), the workers of its host
+are slower by the calibrated `controller_load` (`SimWorkers.controller_busy`).
 
 State is kept once per command, not per rank: clocks are numpy arrays over ranks, so a 512-rank mesh
 costs little more than a 4-rank one.
@@ -103,6 +104,12 @@ class SimWorkers:
         """Stream id (not main) -> its events that may still end after some rank's main stream is at."""
         self.sharing = self.inline and (dev.compute_contention > 1.0 or dev.comm_contention > 1.0)
         """Compute and a side stream's work slow each other down where they overlap (CPU workers)."""
+        self.loaded = dev.controller_load > 1.0
+        """The controller's Python slows down the workers of its host while it runs (`controller_busy`)."""
+        self.local = hosts == 0
+        """Ranks on the controller's host."""
+        self.ahead: list[Event | MemEvent] = []
+        """Events that may still end after the controller's clock (what `controller_busy` may move)."""
 
     # -- clocks ------------------------------------------------------------------------------------
     def reset(self, now: float) -> None:
@@ -110,6 +117,7 @@ class SimWorkers:
         self.events.clear()
         self.open.clear()
         self.mem.clear()
+        self.ahead.clear()
         self.commands = 0
         self.baseline = self.live.copy()
         self.window = now
@@ -153,6 +161,42 @@ class SimWorkers:
         self.events.append(ev)
         if ev.stream != 0 and self.sharing:
             self.open.setdefault(ev.stream, []).append(ev)
+        if self.loaded:
+            self.ahead.append(ev)
+
+    def _record_mem(self, ev: MemEvent) -> None:
+        self.mem.append(ev)
+        if self.loaded:
+            self.ahead.append(ev)
+
+    def controller_busy(self, t0: float, t1: float, share: float = 1.0) -> None:
+        """The controller ran the program's Python from `t0` to `t1` (seconds), computing for `share` of it,
+        on its host's cores: the work of those ranks planned in that span progresses `controller_load`
+        times slower (at full share), and what comes after moves back by what it lost (in the trace too).
+        Calibrated as a whole-host reduce's slowdown while another process computes: a step's reduces
+        during the backward pass run beside the controller issuing the rest of the step."""
+        took = t1 - t0
+        f = 1.0 + (self.dev.controller_load - 1.0) * max(0.0, min(share, 1.0))
+        if not self.loaded or took <= 0 or f <= 1.0 or not self.local.any():
+            return
+        m = self.local
+        for clock in (self.dispatch, *self.streams.values()):
+            clock[m] = _stretch(clock[m], t0, took, f)
+        keep: list[Event | MemEvent] = []
+        for ev in self.ahead:
+            if type(ev) is Event:
+                if float(ev.end.max()) <= t0:  # over before the controller's clock: never moves again
+                    continue
+                em = m[ev.ranks]
+                ev.start[em] = _stretch(ev.start[em], t0, took, f)
+                ev.end[em] = _stretch(ev.end[em], t0, took, f)
+            else:
+                if float(ev.times.max()) <= t0:
+                    continue
+                em = m[ev.ranks]
+                ev.times[em] = _stretch(ev.times[em], t0, took, f)
+            keep.append(ev)
+        self.ahead = keep
 
     def _share(self, idx: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
         """The end of a compute op on a CPU worker's main stream over [`start`, `end`) alone, where a side
@@ -341,7 +385,7 @@ class SimWorkers:
         self._set(ref, _Value(fake, key), idx)
         if nb:
             self.live[idx] += nb
-            self.mem.append(MemEvent(idx, at.copy(), nb, where))
+            self._record_mem(MemEvent(idx, at.copy(), nb, where))
 
     def _set(self, ref: int, v: _Value, idx: np.ndarray) -> None:
         old = self.values.get(ref)
@@ -365,7 +409,7 @@ class SimWorkers:
             if nb:
                 self.live[owners] -= nb
                 times = at if len(at) == len(owners) else np.full(len(owners), float(np.max(at)))
-                self.mem.append(MemEvent(owners, times.copy(), -nb, "free"))
+                self._record_mem(MemEvent(owners, times.copy(), -nb, "free"))
 
     def _reduce(self, idx: np.ndarray, sid: int, cmd: P.Reduce) -> None:
         kind = _COLLECTIVE[(bool(cmd.scatter), cmd.reduction == "stack")]
