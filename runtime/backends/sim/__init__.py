@@ -69,7 +69,8 @@ class SimBackend(Backend):
         self.clock = 0.0
         """The controller's simulated time (seconds)."""
         self._mark = time.perf_counter()
-        self._cpu_mark = time.process_time()
+        self._cpu_mark = (threading.get_ident(), time.thread_time())
+        """The thread that sent last, and its CPU time then."""
         self.controller_spans: list[tuple[float, float, str]] = []
         self.warned = False
         self._seq = 0
@@ -79,8 +80,7 @@ class SimBackend(Backend):
         elapsed = time.perf_counter() - self._mark
         start, self.clock = self.clock, self._advance(elapsed)
         if self.workers is not None and elapsed > 0:
-            # (the share of that time the program computed: none while it slept or waited on something else)
-            self.workers.controller_busy(start, self.clock, min(1.0, (time.process_time() - self._cpu_mark) / elapsed))
+            self.workers.controller_busy(start, self.clock, self._cpu_share(elapsed))
 
     def _advance(self, elapsed: float) -> float:
         """The controller's clock after `elapsed` wall seconds of its own: slowed down by
@@ -96,9 +96,17 @@ class SimBackend(Backend):
             return self.clock + elapsed * f
         return self.clock + busy + (elapsed - busy / f)
 
+    def _cpu_share(self, elapsed: float) -> float:
+        """The share of `elapsed` (since the last message) the sending thread computed: none while it slept
+        or waited on something else (all of it when another thread sent last)."""
+        thread, cpu = self._cpu_mark
+        if thread != threading.get_ident():
+            return 1.0
+        return min(1.0, (time.thread_time() - cpu) / elapsed)
+
     def _leave(self) -> None:
         self._mark = time.perf_counter()
-        self._cpu_mark = time.process_time()
+        self._cpu_mark = (threading.get_ident(), time.thread_time())
 
     def now(self) -> float:
         """The controller's simulated time now (its wall time since the last message included)."""
