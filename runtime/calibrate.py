@@ -124,17 +124,21 @@ def _engine_reduces(mesh, rtt: float, quick: bool, one_element: bool) -> dict:
             t = torch.ones(n)
             t.reduce_(dim, "sum")
         inspect(t)  # (warm)
-        times = []
-        for _ in range(runs):
-            with mesh.activate():
-                for _ in range(k):
-                    t.reduce_(dim, "sum")
-            issued = time.perf_counter()
-            inspect(t)
-            done = time.perf_counter()
-            times.append(max(done - issued - rtt, 0.0) / k)
-        out[str(n)] = statistics.median(times)
+        out[str(n)] = statistics.median(_per_reduce(mesh, t, k, rtt) for _ in range(runs))
     return out
+
+
+def _per_reduce(mesh, t, k: int, rtt: float) -> float:
+    """Seconds per whole-mesh `reduce_("sum")` of `t`: `k` of them back to back, then a fetch; the
+    controller's issuing and the round trip taken out."""
+    from monarch.runtime.tensor.values import inspect
+
+    with mesh.activate():
+        for _ in range(k):
+            t.reduce_(mesh.names[0], "sum")
+    issued = time.perf_counter()
+    inspect(t)
+    return max(time.perf_counter() - issued - rtt, 0.0) / k
 
 
 def _handoff(mesh, quick: bool) -> float:
@@ -228,28 +232,16 @@ def _controller_load(mesh, rtt: float, quick: bool) -> float:
     from monarch.runtime.tensor.values import inspect
 
     k, runs = (8, 2) if quick else (16, 6)
-    dim = mesh.names[0]
     with mesh.activate():
         t = torch.ones(SMALL)
-        t.reduce_(dim, "sum")
-    inspect(t)
-
-    def per_reduce() -> float:
-        with mesh.activate():
-            for _ in range(k):
-                t.reduce_(dim, "sum")
-        start = time.perf_counter()
-        inspect(t)
-        return max(time.perf_counter() - start - rtt, 1e-9) / k
-
+        t.reduce_(mesh.names[0], "sum")
+    inspect(t)  # (warm)
     idle, busy = [], []
-    for i in range(2 * runs):
-        if i % 2:
-            with _spinning():
-                busy.append(per_reduce())
-        else:
-            idle.append(per_reduce())
-    return max(1.0, statistics.median(busy) / statistics.median(idle))
+    for _ in range(runs):
+        idle.append(_per_reduce(mesh, t, k, rtt))
+        with _spinning():
+            busy.append(_per_reduce(mesh, t, k, rtt))
+    return max(1.0, statistics.median(busy) / max(statistics.median(idle), 1e-9))
 
 
 @contextlib.contextmanager

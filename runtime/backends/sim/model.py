@@ -104,10 +104,10 @@ class SimWorkers:
         """Stream id (not main) -> its events that may still end after some rank's main stream is at."""
         self.sharing = self.inline and (dev.compute_contention > 1.0 or dev.comm_contention > 1.0)
         """Compute and a side stream's work slow each other down where they overlap (CPU workers)."""
-        self.loaded = dev.controller_load > 1.0
-        """The controller's Python slows down the workers of its host while it runs (`controller_busy`)."""
         self.local = hosts == 0
         """Ranks on the controller's host."""
+        self.loaded = dev.controller_load > 1.0 and bool(self.local.any())
+        """The controller's Python slows down the workers of its host while it runs (`controller_busy`)."""
         self.ahead: list[Event | MemEvent] = []
         """Events that may still end after the controller's clock (what `controller_busy` may move)."""
 
@@ -177,24 +177,19 @@ class SimWorkers:
         during the backward pass run beside the controller issuing the rest of the step."""
         took = t1 - t0
         f = 1.0 + (self.dev.controller_load - 1.0) * max(0.0, min(share, 1.0))
-        if not self.loaded or took <= 0 or f <= 1.0 or not self.local.any():
+        if took <= 0 or f <= 1.0:
             return
         m = self.local
         for clock in (self.dispatch, *self.streams.values()):
             clock[m] = _stretch(clock[m], t0, took, f)
         keep: list[Event | MemEvent] = []
         for ev in self.ahead:
-            if type(ev) is Event:
-                if float(ev.end.max()) <= t0:  # over before the controller's clock: never moves again
-                    continue
-                em = m[ev.ranks]
-                ev.start[em] = _stretch(ev.start[em], t0, took, f)
-                ev.end[em] = _stretch(ev.end[em], t0, took, f)
-            else:
-                if float(ev.times.max()) <= t0:
-                    continue
-                em = m[ev.ranks]
-                ev.times[em] = _stretch(ev.times[em], t0, took, f)
+            times = (ev.start, ev.end) if type(ev) is Event else (ev.times,)
+            if float(times[-1].max()) <= t0:  # over before the controller's clock: never moves again
+                continue
+            em = m[ev.ranks]
+            for t in times:
+                t[em] = _stretch(t[em], t0, took, f)
             keep.append(ev)
         self.ahead = keep
 
