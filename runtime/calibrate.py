@@ -4,8 +4,9 @@ On a machine with a GPU it measures the GPU (one worker per GPU); otherwise its 
 workers, all measuring at once, so that workers sharing cores see what they get in a real run of that
 many. Measured: the per-command cost of the tensor engine's worker half on the main stream and on a side
 stream, matmul FLOP/s, memory bandwidth, a whole-mesh reduce of a small and a large tensor (fitted to the
-ring model's α and β) and of one element (gloo's ring skips empty segments), and the controller's round
-trip for a fetched value; on a CPU also how compute and a reduce that overlap slow each other down, what
+ring model's α and β) and of one element (gloo's ring skips empty segments), a reduce over one rank (the
+engine's own work per reduce), each op of a small training step on tiny tensors (its overhead beyond a
+tiny add's), and the controller's round trip for a fetched value; on a CPU also how compute and a reduce that overlap slow each other down, what
 a hand-over between a worker's threads costs, and how much the controller's Python and the workers slow
 each other down when they run at once (as they do while the controller issues a step). What cannot be
 measured on one machine (links between hosts) is derived: twice the latency, half the bandwidth of the
@@ -53,6 +54,8 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
         handoff = _handoff(mesh, quick) if shared_cores else 0.0
         slowdown = 1.0 if gpus else _controller_slowdown(mesh, quick)
         load = _controller_load(mesh, rtt, quick) if shared_cores else 1.0
+        one_rank = _one_rank_reduce(mesh, rtt, quick)
+        in_program, extra = _op_extra(mesh, quick, "cuda" if gpus else "cpu")
     finally:
         mesh.exit()
 
@@ -63,15 +66,16 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
     enqueue = med("side_enqueue")
     side_op = max(med("side_total") - enqueue, 1e-7)
     main_op = med("main_op")
+    reduce_overhead = max(one_rank - main_op, 0.0)  # (the engine's own work per reduce, beyond a command's)
     base = devices.DEVICES["h100" if gpus else "cpu"]
     intra_lat, intra_bw = base.intra_latency, base.intra_bw
     if comm:
         small = statistics.median(c[str(SMALL)] for c in comm)
         large = statistics.median(c[str(1 << 18)] for c in comm)
         steps = 2 * (n - 1)
-        # a reduce is its command's cost plus a ring all-reduce; what the small one costs beyond the command
-        # is latency, what the large one costs beyond the small one is bandwidth
-        intra_lat = max(small - main_op, 1e-7) / steps
+        # a reduce is its command's cost and the engine's own work plus a ring all-reduce; what the small one
+        # costs beyond those is latency, what the large one costs beyond the small one is bandwidth
+        intra_lat = max(small - main_op - reduce_overhead, 1e-7) / steps
         nbytes = 4 * ((1 << 18) - SMALL)
         intra_bw = (2 * (n - 1) / n) * nbytes / max(large - small, 1e-9)
     name = f"{socket.gethostname()}-{'gpu' if gpus else 'cpu'}"
@@ -81,7 +85,9 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
         flops={"float32": flops, "default": flops},
         mem_bw=med("mem_bw"),
         efficiency=1.0,  # (measured on matmuls: already what they reach)
-        op_overhead=side_op if gpus else max(main_op - enqueue, 1e-7),
+        # (an op in a program costs more than one of a loop of the same op: a tiny add_ 2-4 times as much, on a
+        # CPU and on a GPU; the loop's figure is the floor)
+        op_overhead=max(in_program, side_op if gpus else main_op - enqueue, 1e-7),
         dispatch=enqueue,
         intra_latency=intra_lat,
         intra_bw=intra_bw,
@@ -94,10 +100,19 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
         comm_contention=med("contention_comm") if shared_cores else 1.0,
         handoff=handoff,
         reduce_floor=statistics.median(c["1"] for c in comm) if shared_cores else 0.0,
+        op_extra=extra,
+        reduce_overhead=reduce_overhead,
         memory=base.memory if gpus else 0,
         alloc_round=base.alloc_round if gpus else 1,
         source=f"calibrated on {socket.gethostname()} with {n} workers, {datetime.date.today().isoformat()}",
-        measured={"workers": n, "cores": os.cpu_count(), "per_rank": per_rank, "collectives": comm, "round_trip": rtt},
+        measured={
+            "workers": n,
+            "cores": os.cpu_count(),
+            "per_rank": per_rank,
+            "collectives": comm,
+            "round_trip": rtt,
+            "one_rank_reduce": one_rank,
+        },  # fmt: skip
     )
     out = Path(path) if path is not None else devices.local_profile_path()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -139,6 +154,90 @@ def _per_reduce(mesh, t, k: int, rtt: float) -> float:
     issued = time.perf_counter()
     inspect(t)
     return max(time.perf_counter() - issued - rtt, 0.0) / k
+
+
+def _one_rank_reduce(mesh, rtt: float, quick: bool) -> float:
+    """Seconds per `reduce_` over a group of one rank (the first): no ring, only the engine's own work (its
+    failure flag's collective, the process group's, on a GPU the wait for the flag) and the command's."""
+    import torch
+
+    from monarch.runtime.tensor.values import inspect
+
+    k, runs = (8, 2) if quick else (16, 5)
+    dim = mesh.names[0]
+    one = mesh.slice(**{dim: range(0, 1)})
+    with one.activate():
+        t = torch.ones(1)
+        t.reduce_(dim, "sum")
+    inspect(t)  # (warm: the group of one)
+    return statistics.median(_per_reduce(one, t, k, rtt) for _ in range(runs))
+
+
+def _op_extra(mesh, quick: bool, device: str) -> tuple[float, dict[str, float]]:
+    """Seconds a tiny `add_` takes inside a small training step, and what each other op of the step costs
+    beyond it, by op name (`op_extra`).
+
+    The step (embedding, layer norm, attention, an MLP, cross entropy, autograd, an update) runs through the
+    engine on tiny tensors, so that an op's time is its overhead: ATen's dispatch, on a GPU its launches.
+    Each command is timed on every worker as it runs (the engine's `around` hook); medians over all."""
+    import torch
+
+    from monarch.runtime.tensor.values import inspect
+
+    with mesh.activate():
+        torch.manual_seed(0)
+        model = _sample_model().to(device)
+        params = list(model.parameters())
+
+    def step():
+        with mesh.activate():
+            x = torch.randint(0, 32, (2, 6), device=device)
+            loss = model(x, x.roll(1, 1))
+            with torch.no_grad():
+                for p, g in zip(params, torch.autograd.grad(loss, params)):
+                    p.add_(g * -0.01)
+        inspect(loss)
+
+    step()  # (warm)
+    RemoteFunction.by_name(WORKER, "time_ops", mesh).call_async().result()
+    try:
+        for _ in range(3 if quick else 10):
+            step()
+    finally:
+        per_rank = list(RemoteFunction.by_name(WORKER, "timed_ops", mesh).call_async().result())
+    times: dict[str, list[float]] = {}
+    for timed in per_rank:
+        for name, start, end in timed:
+            times.setdefault(name, []).append(end - start)
+    med = {name: statistics.median(ts) for name, ts in times.items() if name.startswith("aten::")}
+    base = med.pop("aten::add_.Tensor")
+    return base, {name: t - base for name, t in sorted(med.items())}
+
+
+def _sample_model():
+    """The model `_op_extra` times: the ops a training step issues most, on tiny tensors."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Sample(nn.Module):
+        def __init__(self, vocab: int = 32, d: int = 8, heads: int = 2):
+            super().__init__()
+            self.heads = heads
+            self.emb, self.norm = nn.Embedding(vocab, d), nn.LayerNorm(d)
+            self.qkv, self.up, self.down = nn.Linear(d, 3 * d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+            self.out = nn.Linear(d, vocab)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            h = self.emb(x)
+            b, t, d = h.shape
+            q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(self.norm(h)).split(d, 2))
+            a = ((q @ k.transpose(-2, -1)) * (d // self.heads) ** -0.5).softmax(-1) @ v
+            h = h + a.transpose(1, 2).reshape(b, t, d)
+            h = h + self.down(F.gelu(self.up(h)).relu())
+            return F.cross_entropy(self.out(h).view(b * t, -1), y.view(-1))
+
+    return Sample()
 
 
 def _handoff(mesh, quick: bool) -> float:

@@ -272,6 +272,59 @@ def test_the_cost_model_follows_flops_bytes_and_dtype():
     assert took == [pytest.approx(2e-3 + 3 / 7 * 4e-3), pytest.approx(full)]
 
 
+def test_calibrated_op_overheads_and_the_engines_cost_per_reduce_count():
+    """`op_extra` adds an op's measured overhead beyond a tiny add (a view's is negative, never below zero in
+    all); `reduce_overhead` is the engine's own work in every reduce, over one rank or a ring."""
+    from monarch.runtime.backends.sim import costs, devices
+
+    base = dataclasses.replace(devices.DEVICES["h100"], op_overhead=10e-6)
+    dev = dataclasses.replace(base, op_extra={"aten::mm": 40e-6, "aten::t": -4e-6, "aten::view": -50e-6})
+    aten = torch.ops.aten
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        a = torch.empty(4, 4)
+        mm, t, view = aten.mm.default(a, a), aten.t.default(a), aten.view.default(a, (16,))
+        plain = costs.op_cost(base, aten.mm.default, (a, a), {}, mm)[0]
+        assert costs.op_cost(dev, aten.mm.default, (a, a), {}, mm)[0] == pytest.approx(plain + 40e-6)
+        assert costs.op_cost(dev, aten.t.default, (a,), {}, t)[0] == pytest.approx(6e-6)
+        assert costs.op_cost(dev, aten.view.default, (a, (16,)), {}, view)[0] == 0.0
+        assert (
+            costs.op_cost(dev, aten.relu.default, (a,), {}, a)[0]
+            == costs.op_cost(base, aten.relu.default, (a,), {}, a)[0]
+        )
+    fixed = dataclasses.replace(base, reduce_overhead=200e-6)
+    for p in (1, 8):
+        got = costs.collective_time(fixed, "all_reduce", 1 << 20, p, False)
+        assert got == pytest.approx(costs.collective_time(base, "all_reduce", 1 << 20, p, False) + 200e-6)
+
+
+def test_on_a_gpu_a_reduce_holds_the_thread_that_issued_it():
+    """The engine reads a reduce's failure flag on the host: on a GPU the command thread waits for a reduce on
+    the main stream, and a drop waits for the borrowing stream's thread, so a later op on another stream starts
+    only after the reduce (on a CPU the main stream is that thread anyway)."""
+    from monarch.runtime.backends.sim import devices
+
+    gpu = dataclasses.replace(devices.DEVICES["h100"], intra_latency=5e-3, op_overhead=1e-6, dispatch=1e-6)
+    sim = monarch.Simulator(hosts=1, gpus=2, device=gpu)
+    comms, other = monarch.Stream("comms"), monarch.Stream("other")
+    with sim.mesh.activate():
+        g = torch.ones(256)
+        g.reduce_("gpu", "sum")  # on the main stream
+        with other.activate():
+            torch.ones(4)
+        alias, borrow = comms.borrow(g, mutable=True)
+        with comms.activate():
+            alias.reduce_("gpu", "sum")
+        borrow.drop()
+        with other.activate():
+            after_drop = torch.ones(4)
+    monarch.inspect(after_drop)
+    events = [(e.name, float(e.start[0]), float(e.end[0])) for e in sim._backend.workers.events]
+    sim.exit()
+    (_, _, end1), (_, _, end2) = [e for e in events if e[0].startswith("all_reduce")]
+    ones = [start for name, start, _ in events if name.startswith("aten::ones")][1:]  # (the first made g)
+    assert ones[0] >= end1 and ones[1] >= end2 > end1 + 0.9 * 2 * 5e-3, (events, ones)  # (a ring of 2: 2 steps)
+
+
 def _overlapped(**factors) -> dict:
     """A side stream's reduce (~40 ms) with a ~10 ms matmul on main issued while it runs, then the drop
     and an op on main, on 2 CPU workers of a made-up profile: {name: (start, end)} of rank 0, in ms of the
@@ -379,6 +432,12 @@ def test_calibration_measures_this_machine_and_the_simulator_uses_it(tmp_path, m
         assert saved["reduce_floor"] == saved["measured"]["collectives"][0]["1"] > 0  # gloo, one element
         print("controller load:", saved["controller_load"])
         assert saved["controller_load"] >= 1.0
+    # the engine's own cost per reduce (over one rank), and each op of the sample step beyond a tiny add_
+    assert saved["reduce_overhead"] >= 0 and saved["measured"]["one_rank_reduce"] > 0
+    extra = saved["op_extra"]
+    print("op_extra (us):", {k: round(v * 1e6, 1) for k, v in extra.items()})
+    assert {"aten::mm", "aten::native_layer_norm_backward", "aten::_softmax", "aten::embedding"} <= set(extra)
+    assert "aten::add_.Tensor" not in extra and saved["op_overhead"] + min(extra.values()) > -1e-4
     sim = monarch.Simulator(hosts=1, gpus=2, device="local")
     assert sim.device == prof
     with sim.mesh.activate():

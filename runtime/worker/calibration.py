@@ -84,12 +84,15 @@ def measure(n_ops: int = 1000, quick: bool = False) -> dict:
         out["side_total"] = _median(lambda: (_run(side), sync_streams()), rep) / n_ops
         # compute and memory rates, straight torch (the ops a model issues are as fast as torch's)
         sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-        for n in (256,) if quick else (256, 512):
+        # (a GPU reaches its rate only on large matmuls and copies: small ones measure the launches)
+        sizes = ((256,) if quick else (256, 512)) if dev == "cpu" else ((2048,) if quick else (2048, 4096))
+        for n in sizes:
             a = torch.randn(n, n, device=dev)
             k = _repeats(lambda a=a: a @ a, sync)
             t = _median(lambda a=a, k=k: ([a @ a for _ in range(k)], sync()), rep) / k
             out[f"matmul{n}_flops"] = 2 * n**3 / t
-        big = torch.ones(1 << 22, device=dev)
+            del a
+        big = torch.ones(1 << (22 if dev == "cpu" else 26), device=dev)
         t = _median(lambda: ([big + 1.0 for _ in range(20)], sync()), rep) / 20
         out["mem_bw"] = 2 * big.numel() * big.element_size() / t
         if dev == "cpu":
@@ -98,6 +101,26 @@ def measure(n_ops: int = 1000, quick: bool = False) -> dict:
         table.pop(x, None)
         table.pop(y, None)
     return out
+
+
+def time_ops() -> None:
+    """Time every tensor command this worker runs from now on, until `timed_ops()`."""
+    record: list[tuple[str, float, float]] = []
+
+    def around(cmd, handler) -> None:
+        t = time.perf_counter()
+        handler(cmd)
+        record.append((cmd.name if type(cmd) is P.Op else type(cmd).__name__, t, time.perf_counter()))
+
+    around.record = record
+    commands.around = around
+
+
+def timed_ops() -> list[tuple[str, float, float]]:
+    """(op name or command type, start, end) of each command run since `time_ops()`, in the order they ended
+    (`time.perf_counter()`: the host's monotonic clock, which the controller shares); stops timing."""
+    around, commands.around = commands.around, None
+    return getattr(around, "record", [])
 
 
 _CAP = 50.0

@@ -1,12 +1,14 @@
 """The cost model: how long an op or a collective takes on a `DeviceProfile`.
 
-An op costs its overhead plus the larger of its FLOPs at the dtype's achievable rate (torch's FLOP
+An op costs its overhead (the device's per-op overhead, plus what calibration measured this op to cost
+beyond a tiny add: `op_extra`) plus the larger of its FLOPs at the dtype's achievable rate (torch's FLOP
 counter formulas: matmuls, convolutions, attention; one FLOP per output element for anything else that
 computes) and the bytes it reads and writes at memory bandwidth (a roofline). Views and other ops that
 only describe memory cost the overhead alone.
 
-Collectives follow the models NCCL's own tuning uses, with α the per-step latency and β the bandwidth of
-the slowest link the group crosses (across hosts when the group spans hosts):
+Collectives cost the engine's own work per reduce (`reduce_overhead`) plus the models NCCL's own tuning
+uses, with α the per-step latency and β the bandwidth of the slowest link the group crosses (across hosts
+when the group spans hosts):
   all-reduce      ring: 2(p-1)·α + 2(p-1)/p · n/β       tree: 2·log2(p)·α + 2·n/β   (NCCL: the faster one;
                                                         gloo on CPU workers: the ring)
                   gloo's ring cuts the tensor into 2p segments and skips empty ones: a tensor of e < 2p
@@ -51,8 +53,11 @@ def tensors_in(x: Any) -> list[torch.Tensor]:
 def op_cost(dev: DeviceProfile, func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[float, float, int]:
     """(seconds, FLOPs, bytes moved) of `func` on fake tensors `args` giving `out`."""
     base = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+    overhead = dev.op_overhead
+    if dev.op_extra:
+        overhead = max(overhead + dev.op_extra.get(func.name() if hasattr(func, "name") else str(func), 0.0), 0.0)
     if base in _NO_COMPUTE:
-        return dev.op_overhead, 0.0, 0
+        return overhead, 0.0, 0
     outs = tensors_in(out)
     moved = sum(nbytes(t) for t in tensors_in((args, kwargs))) + sum(nbytes(t) for t in outs)
     formula = flop_registry.get(getattr(func, "overloadpacket", None))
@@ -66,7 +71,7 @@ def op_cost(dev: DeviceProfile, func: Any, args: tuple, kwargs: dict, out: Any) 
         flops = float(sum(t.numel() for t in outs))
     dtype = outs[0].dtype if outs else torch.float32
     rate = dev.peak(_dtype_name(dtype)) * (dev.efficiency if formula is not None else 1.0)
-    return dev.op_overhead + max(flops / rate, moved / dev.mem_bw), flops, moved
+    return overhead + max(flops / rate, moved / dev.mem_bw), flops, moved
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -83,16 +88,17 @@ def collective_time(
 ) -> float:
     """Seconds for a collective of `kind` (all_reduce, reduce_scatter, all_gather, all_to_all) over `p` ranks
     of `n` bytes per rank (its input), `elements` of them."""
+    fixed = dev.op_overhead + dev.reduce_overhead
     if p <= 1:
-        return dev.op_overhead
+        return fixed
     a, b = link(dev, spans_hosts)
     if kind == "all_reduce":
         ring = 2 * (p - 1) * a + 2 * (p - 1) / p * n / b
         tree = 2 * math.log2(p) * a + 2 * n / b
         if dev.kind != "cpu":
             t = min(ring, tree)
-        elif elements is not None and 0 < elements < 2 * p and 0 < dev.reduce_floor < dev.op_overhead + ring:
-            full = dev.op_overhead + ring  # gloo: fewer non-empty segments than the ring has
+        elif elements is not None and 0 < elements < 2 * p and 0 < dev.reduce_floor < fixed + ring:
+            full = fixed + ring  # gloo: fewer non-empty segments than the ring has
             return dev.reduce_floor + (elements - 1) / (2 * p - 1) * (full - dev.reduce_floor)
         else:
             t = ring  # gloo's all-reduce is a ring
@@ -100,7 +106,7 @@ def collective_time(
         t = (p - 1) * a + (p - 1) * n / b
     else:  # reduce_scatter, all_to_all
         t = (p - 1) * a + (p - 1) / p * n / b
-    return dev.op_overhead + t
+    return fixed + t
 
 
 def p2p_time(dev: DeviceProfile, n: int, spans_hosts: bool) -> float:

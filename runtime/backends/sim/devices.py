@@ -32,7 +32,8 @@ class DeviceProfile:
     efficiency: float
     """The share of peak FLOP/s a large matmul reaches."""
     op_overhead: float
-    """Seconds every op costs on its stream beyond its FLOPs and bytes (a kernel launch, ATen's dispatch)."""
+    """Seconds every op costs on its stream beyond its FLOPs and bytes (a kernel launch, ATen's dispatch);
+    calibrated as a tiny ``add_`` inside a training step."""
     dispatch: float
     """Seconds the worker's command thread spends per command (receiving it, finding its tensors)."""
     intra_latency: float
@@ -66,6 +67,15 @@ class DeviceProfile:
     """Seconds a whole-host all-reduce of one element takes on CPU workers (0: not measured). gloo's ring cuts
     a tensor into two segments per rank and skips empty ones, so a tensor of fewer elements than that costs
     less than the ring's full latency (a 4-float bias among 4 workers: about half); measured by `calibrate()`."""
+    op_extra: dict = field(default_factory=dict)
+    """Seconds an op costs beyond `op_overhead`, by its name (``aten::mm``, ``aten::mul.Tensor``): what the op
+    takes on tiny tensors less what a tiny ``add_`` takes, negative for views (cheaper than an ``add_``).
+    ATen's dispatch differs from op to op (a reduction sets up more than an add; on a GPU some ops launch
+    several kernels); measured by `calibrate()` on a sample training step, ops it did not meet cost none."""
+    reduce_overhead: float = 0.0
+    """Seconds a reduce costs its worker's thread beyond the collective (the engine's failure flag, the
+    process group's own work; on a GPU the wait for the flag): what a reduce over one rank takes; measured
+    by `calibrate()` (0: part of the latency)."""
     memory: int = 0
     """Bytes of device memory (0: not known); a rank that needs more is flagged."""
     alloc_round: int = 1

@@ -5,7 +5,9 @@ controller sent it; each command costs the command thread `dispatch`. On a CPU w
 runs on the command thread itself (so a wait on it holds back every later command, as on a real CPU
 worker); on a GPU the main stream is a queue like the others. A borrow makes the borrowing stream wait for
 the point the origin stream had reached; its drop makes the origin wait for the borrower (on a CPU,
-plus the calibrated cost of waking the threads, `handoff`). A collective
+plus the calibrated cost of waking the threads, `handoff`). On a GPU the engine reads a reduce's failure
+flag on the host, so the thread that issued it waits for its end, and a drop on the main stream waits for
+the borrowing stream's thread (`held`). A collective
 starts when the last rank of its group reaches it; the time the others wait is communication too, as in
 a real trace. On a CPU, compute on the main stream and a side stream's work that overlap share the cores
 and slow each other down, by factors `calibrate()` measures (`SimWorkers._share`). Memory: a result that
@@ -110,6 +112,8 @@ class SimWorkers:
         """The controller's Python slows down the workers of its host while it runs (`controller_busy`)."""
         self.ahead: list[Event | MemEvent] = []
         """Events that may still end after the controller's clock (what `controller_busy` may move)."""
+        self.held: dict[int, np.ndarray] = {}
+        """Stream id (not main) -> per rank, until when its thread waits for a reduce (on a GPU)."""
 
     # -- clocks ------------------------------------------------------------------------------------
     def reset(self, now: float) -> None:
@@ -309,6 +313,8 @@ class SimWorkers:
             else:
                 s = self._stream(cmd.from_stream)
                 s[idx] = np.maximum(s[idx], done)
+                if cmd.from_stream == 0 and cmd.to_stream in self.held:  # (a GPU) the main thread waits too
+                    self.dispatch[idx] = np.maximum(self.dispatch[idx], self.held[cmd.to_stream][idx])
             v = self.values.pop(cmd.alias, None)
             if v is not None:
                 self._release(v.storage, idx, done)
@@ -422,6 +428,12 @@ class SimWorkers:
                            costs.collective_time(self.dev, kind, nb, p, False, elements))  # fmt: skip
             end[groups] = (ready[groups].max(axis=1) + dur)[:, None]
         self._finish(idx, sid, end[idx])
+        if not self.inline:  # on a GPU the engine reads the reduce's failure flag: its thread waits for the end
+            if sid == 0:
+                self.dispatch[idx] = np.maximum(self.dispatch[idx], end[idx])
+            else:
+                held = self.held.setdefault(sid, np.zeros(self.size))
+                held[idx] = np.maximum(held[idx], end[idx])
         name = f"{kind} ({cmd.reduction})"
         self._record(Event(idx, sid, ready[idx], end[idx], name, "comm", cmd.where, 0.0, nb))
         if cmd.out != cmd.src:
