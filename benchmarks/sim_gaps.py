@@ -15,35 +15,18 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 
 import monarch
 from monarch.actor import this_host
+from monarch.runtime.remote import RemoteFunction
 
 
-@monarch.remote
-def _start() -> None:
-    from monarch.runtime.worker.engine import commands
-
-    record: list = []  # (kept by the hook itself: a live function's globals are its own on each call)
-
-    def around(cmd, handler):
-        t = time.perf_counter()
-        handler(cmd)
-        record.append((t, time.perf_counter(), type(cmd).__name__ == "Reduce"))
-
-    around.record = record
-    commands.around = around
-
-
-@monarch.remote
-def _stop() -> list:
-    from monarch.runtime.worker.engine import commands
-
-    around, commands.around = commands.around, None
-    return around.record
+def _timing(mesh, on: bool):
+    """Start timing each command on the workers, or stop and return each rank's (name, start, end) list."""
+    fn = RemoteFunction.by_name("monarch.runtime.worker.calibration", "time_ops" if on else "timed_ops", mesh)
+    return fn.call_async().result()
 
 
 def main() -> None:
@@ -67,13 +50,14 @@ def main() -> None:
         rows: dict[str, list[tuple[float, float, float]]] = {k: [] for k in cases}
         for _ in range(args.rounds):
             for name, between in cases.items():
-                _start.on(mesh)()
+                _timing(mesh, True)
                 with mesh.activate():
                     for i in range(16):
                         (small if i % 2 == 0 else big).reduce_("gpu", "sum")
                         between()
                 monarch.inspect(small)
-                recs = _stop.on(mesh)().values()
+                recs = [[(s, e, op == "Reduce") for op, s, e in sorted(r, key=lambda c: c[1])]
+                        for r in _timing(mesh, False).values()]  # fmt: skip
                 rows[name].append(
                     (
                         statistics.mean(sum(e - s for s, e, red in rec if red) for rec in recs),

@@ -10,6 +10,11 @@ communication with compute (real: `monarch.profiler`'s summary of one profiled s
 simulator's summary). The error is (simulated - measured) / measured.
 
     python benchmarks/simulator.py [--workers 4] [--steps 12] [--rounds 5] [--profile PATH] [--only NAME]
+    python benchmarks/simulator.py --device cuda    # on a GPU machine: one worker per GPU, a GPU profile
+
+With `--device cuda` the models and data live on the GPUs, the profile is the GPUs' own (calibrated, and
+the datasheet's `h100` beside it), and a larger transformer is added, whose step is bound by its matmuls
+rather than by launching kernels.
 """
 
 from __future__ import annotations
@@ -67,19 +72,31 @@ class Tiny(nn.Module):
         return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), target.view(-1))
 
 
-def programs(comms) -> dict:
+def programs(comms, device: str = "cpu") -> dict:
     """name -> (model class, train, data); the DDP variants are the tutorial's, `comms` their side stream."""
-    ddp_data = lambda: (torch.rand(3, 4), torch.full((3,), 1, dtype=torch.int64))  # noqa: E731
-    return {
-        "DDP variant 1 (one stream)": (Net, make_train(1, comms), ddp_data),
-        "DDP variant 2 (drop at once)": (Net, make_train(2, comms), ddp_data),
-        "DDP variant 3 (drop late)": (Net, make_train(3, comms), ddp_data),
-        "transformer, 2 blocks d=128 (variant 3)": (
-            Tiny,
-            make_train(3, comms),
-            lambda: (torch.randint(0, 256, (8, 64)), torch.randint(0, 256, (8, 64))),
-        ),
+
+    def ddp_data():
+        return torch.rand(3, 4, device=device), torch.full((3,), 1, dtype=torch.int64, device=device)
+
+    def tokens(batch: int, seq: int, vocab: int = 256):
+        return lambda: tuple(torch.randint(0, vocab, (batch, seq), device=device) for _ in range(2))
+
+    def on_device(cls, **kw):
+        return lambda: cls(**kw).to(device)
+
+    out = {
+        "DDP variant 1 (one stream)": (on_device(Net), make_train(1, comms), ddp_data),
+        "DDP variant 2 (drop at once)": (on_device(Net), make_train(2, comms), ddp_data),
+        "DDP variant 3 (drop late)": (on_device(Net), make_train(3, comms), ddp_data),
+        "transformer, 2 blocks d=128 (variant 3)": (on_device(Tiny), make_train(3, comms), tokens(8, 64)),
     }
+    if device != "cpu":
+        out["transformer, 4 blocks d=1024 (variant 3)"] = (
+            on_device(Tiny, vocab=8192, d=1024, layers=4, heads=16),
+            make_train(3, comms),
+            tokens(16, 512, 8192),
+        )
+    return out
 
 
 def steps(mesh, make, train, data, n: int, clock, between=None) -> tuple[list[float], object]:
@@ -99,7 +116,13 @@ def steps(mesh, make, train, data, n: int, clock, between=None) -> tuple[list[fl
     return times, model
 
 
-def real_side(mesh, make, train, data, n: int) -> dict:
+def _allocated(size: int, cuda: bool) -> int:
+    """What an allocation of `size` bytes takes: CUDA's caching allocator rounds it up to 512 bytes (its
+    snapshot names the size asked for), the CPU allocator takes what was asked."""
+    return -(-max(size, 1) // 512) * 512 if cuda else size
+
+
+def real_side(mesh, make, train, data, n: int, cuda: bool = False) -> dict:
     times, model = steps(mesh, make, train, data, n, time.perf_counter)
     # peak memory above the step's start, from monarch.memory's recording of one step
     with tempfile.TemporaryDirectory() as d:
@@ -115,9 +138,8 @@ def real_side(mesh, make, train, data, n: int) -> dict:
                 snap = pickle.load(fh)
             level = peak = 0
             for ev in (ev for trace in snap["device_traces"] for ev in trace):
-                level += (
-                    ev["size"] if ev["action"] == "alloc" else -ev["size"] if ev["action"] == "free_completed" else 0
-                )
+                size = _allocated(ev["size"], cuda)
+                level += size if ev["action"] == "alloc" else -size if ev["action"] == "free_completed" else 0
                 peak = max(peak, level)
             peaks.append(peak)
     # overlap, from monarch.profiler's summary of one profiled step
@@ -168,24 +190,32 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="measure each side this many times; report the median")
     ap.add_argument("--profile", default=None, help="a calibrated profile (default: calibrate before each round)")
     ap.add_argument("--only", default="", help="run the programs whose name contains this")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one worker per GPU")
     args = ap.parse_args()
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit("--device cuda: this machine has no CUDA GPU")
+        args.workers = torch.cuda.device_count()
     profile_path = args.profile or os.path.join(tempfile.mkdtemp(), "calibrated.json")
     mesh = this_host().spawn_procs({"gpu": args.workers}).rename(gpu="dp")
-    print(f"{os.cpu_count()} cores, {args.workers} CPU workers, torch {torch.__version__}; profile "
+    what = f"{args.workers} CPU workers" if args.device == "cpu" else f"{args.workers} x {torch.cuda.get_device_name()}"
+    print(f"{os.cpu_count()} cores, {what}, torch {torch.__version__}; profile "
           f"{args.profile or 'calibrated before each round (a VM speeds up and slows down within minutes)'}")  # fmt: skip
     print(f"{'program':<42}{'step ms real':>13}{'sim':>8}{'err':>8}{'err per round':>22}{'peak KiB real':>15}"
           f"{'sim':>9}{'err':>8}"
           f"{'overlap % real':>16}{'sim':>7}")  # fmt: skip
-    rows = []
-    for name, (make, train, data) in programs(monarch.Stream("comms")).items():
+    rows, sheets = [], []
+    for name, (make, train, data) in programs(monarch.Stream("comms"), args.device).items():
         if args.only and args.only not in name:
             continue
         reals, sims = [], []
         for _ in range(args.rounds):  # (alternating: a slow spell of the machine hits both sides)
             if args.profile is None:
                 _quietly(Simulator.calibrate, profile_path, workers=args.workers)
-            reals.append(real_side(mesh, make, train, data, args.steps))
+            reals.append(real_side(mesh, make, train, data, args.steps, args.device == "cuda"))
             sims.append(sim_side(profile_path, 1, args.workers, make, train, data, args.steps))
+            if args.device == "cuda":  # the datasheet's H100 beside the calibration
+                sheets.append(sim_side("h100", 1, args.workers, make, train, data, args.steps))
         real, sim = _medians(reals), _medians(sims)
         e_step = (sim["step"] - real["step"]) / real["step"]
         e_peak = (sim["peak"] - real["peak"]) / real["peak"] if real["peak"] else float("nan")
@@ -194,8 +224,12 @@ def main() -> None:
         print(f"{name:<42}{1000 * real['step']:>13.2f}{1000 * sim['step']:>8.2f}{100 * e_step:>7.0f}%"
               f"{per_round:>22}{real['peak'] / 1024:>15.1f}{sim['peak'] / 1024:>9.1f}{100 * e_peak:>7.0f}%"
               f"{real['overlap']:>16.1f}{sim['overlap']:>7.1f}", flush=True)  # fmt: skip
+        if sheets:
+            print(f"{'  (datasheet h100)':<42}{'':>13}{1000 * _medians(sheets)['step']:>8.2f}"
+                  f"{100 * (_medians(sheets)['step'] - real['step']) / real['step']:>7.0f}%")  # fmt: skip
+            sheets.clear()
     mesh.exit()
-    if len(rows) < 3:
+    if len(rows) < 3 or args.workers < 2:  # (one worker has no one to overlap communication with)
         return
     real_o = [rows[i][1]["overlap"] for i in range(3)]
     sim_o = [rows[i][2]["overlap"] for i in range(3)]
