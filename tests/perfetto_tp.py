@@ -53,9 +53,9 @@ def require() -> Path:
 
 def query(trace: str | os.PathLike, *sqls: str, timeout: float = 90.0) -> list[list[dict]]:
     """Rows (dicts by column) of each of `sqls` on `trace`, as loaded by Perfetto's trace processor."""
+    ui = require()  # (or skip: before Playwright's import, which fails where it is not installed)
     from playwright.sync_api import sync_playwright
 
-    ui = require()
     with tempfile.TemporaryDirectory() as site:
         for entry in ui.iterdir():
             os.symlink(entry, Path(site) / entry.name)
