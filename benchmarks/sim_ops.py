@@ -40,6 +40,10 @@ def _timing(mesh, on: bool):
     return fn.call_async().result()
 
 
+def _start(cmd: tuple[str, float, float]) -> float:
+    return cmd[1]
+
+
 def _phases(t0: float, issued: float, ended: float, cmds: list[tuple[str, float, float]]) -> dict:
     """A step's phases (seconds) from its controller marks and rank 0's commands (name, start, end)."""
     first, last = cmds[0][1], max(e for _, _, e in cmds)
@@ -68,7 +72,7 @@ def real_steps(mesh, make, train, data, n: int) -> tuple[list[dict], list[list]]
         monarch.inspect(loss)
         ended = time.perf_counter()
         if i >= 2:
-            cmds = sorted(tuple(c) for c in _timing(mesh, False).item(dp=0))
+            cmds = sorted(map(tuple, _timing(mesh, False).item(dp=0)), key=_start)
             phases.append(_phases(t0, issued, ended, cmds))
             per_step.append(cmds)
     return phases, per_step
@@ -93,9 +97,12 @@ def sim_steps(profile, workers: int, make, train, data, n: int) -> tuple[list[di
         ended = sim.time
         if i >= 2:
             cmds = sorted(
-                ("Reduce" if ev.kind == "comm" else ev.name, float(ev.start[k[0]]), float(ev.end[k[0]]))
-                for ev in w.events
-                if len(k := (ev.ranks == 0).nonzero()[0])
+                (
+                    ("Reduce" if ev.kind == "comm" else ev.name, float(ev.start[k[0]]), float(ev.end[k[0]]))
+                    for ev in w.events
+                    if len(k := (ev.ranks == 0).nonzero()[0])
+                ),
+                key=_start,
             )
             # the send happens at the fetch, whose arrival is the controller's clock when it fetched
             phases.append(_phases(t0, issued, ended, cmds))
