@@ -6,11 +6,11 @@ many. Measured: the per-command cost of the tensor engine's worker half on the m
 stream, matmul FLOP/s, memory bandwidth, a whole-mesh reduce of a small and a large tensor (fitted to the
 ring model's α and β) and of one element (gloo's ring skips empty segments), a reduce over one rank (the
 engine's own work per reduce), each op of a small training step on tiny tensors (its overhead beyond a
-tiny add's), and the controller's round trip for a fetched value; on a CPU also how compute and a reduce that overlap slow each other down, what
-a hand-over between a worker's threads costs, and how much the controller's Python and the workers slow
-each other down when they run at once (as they do while the controller issues a step). What cannot be
-measured on one machine (links between hosts) is derived: twice the latency, half the bandwidth of the
-local links.
+tiny add's), and the controller's round trip for a fetched value; on a CPU also how compute and a reduce
+that overlap slow each other down, what a hand-over between a worker's threads costs, and how much the
+controller's Python and the workers slow each other down when they run at once (as they do while the
+controller issues a step). What cannot be measured on one machine (links between hosts) is derived: twice
+the latency, half the bandwidth of the local links.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
             "collectives": comm,
             "round_trip": rtt,
             "one_rank_reduce": one_rank,
-        },  # fmt: skip
+        },
     )
     out = Path(path) if path is not None else devices.local_profile_path()
     out.parent.mkdir(parents=True, exist_ok=True)
