@@ -119,7 +119,7 @@ def steps(mesh, make, train, data, n: int, clock, between=None) -> tuple[list[fl
 def _allocated(size: int, cuda: bool) -> int:
     """What an allocation of `size` bytes takes: CUDA's caching allocator rounds it up to 512 bytes (its
     snapshot names the size asked for), the CPU allocator takes what was asked."""
-    return -(-max(size, 1) // 512) * 512 if cuda else size
+    return -(-size // 512) * 512 if cuda else size
 
 
 def real_side(mesh, make, train, data, n: int, cuda: bool = False) -> dict:
@@ -225,8 +225,10 @@ def main() -> None:
               f"{per_round:>22}{real['peak'] / 1024:>15.1f}{sim['peak'] / 1024:>9.1f}{100 * e_peak:>7.0f}%"
               f"{real['overlap']:>16.1f}{sim['overlap']:>7.1f}", flush=True)  # fmt: skip
         if sheets:
-            print(f"{'  (datasheet h100)':<42}{'':>13}{1000 * _medians(sheets)['step']:>8.2f}"
-                  f"{100 * (_medians(sheets)['step'] - real['step']) / real['step']:>7.0f}%")  # fmt: skip
+            sheet = _medians(sheets)["step"]
+            print(
+                f"{'  (datasheet h100)':<42}{'':>13}{1000 * sheet:>8.2f}{100 * (sheet - real['step']) / real['step']:>7.0f}%"
+            )
             sheets.clear()
     mesh.exit()
     if len(rows) < 3 or args.workers < 2:  # (one worker has no one to overlap communication with)
