@@ -5,8 +5,10 @@ workers, all measuring at once, so that workers sharing cores see what they get 
 many. Measured: the per-command cost of the tensor engine's worker half on the main stream and on a side
 stream, matmul FLOP/s, memory bandwidth, a whole-mesh reduce of a small and a large tensor (fitted to the
 ring model's α and β) and of one element (gloo's ring skips empty segments), a reduce over one rank (the
-engine's own work per reduce), each op of a small training step on tiny tensors (its overhead beyond a
-tiny add's), and the controller's round trip for a fetched value; on a CPU also how compute and a reduce
+engine's own work per reduce), decoding a batch, each op of a small training step on tiny tensors (its
+overhead beyond a tiny add's; with its gradients reduced as they come, on the main stream and on a side
+stream, what the ops after and beside a reduce lose; when its batch starts and its loss comes back), and
+the controller's round trip for a fetched value; on a CPU also how compute and a reduce
 that overlap slow each other down, what a hand-over between a worker's threads costs, and how much the
 controller's Python and the workers slow each other down when they run at once (as they do while the
 controller issues a step). What cannot be measured on one machine (links between hosts) is derived: twice
@@ -55,7 +57,7 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
         slowdown = 1.0 if gpus else _controller_slowdown(mesh, quick)
         load = _controller_load(mesh, rtt, quick) if shared_cores else 1.0
         one_rank = _one_rank_reduce(mesh, rtt, quick)
-        in_program, extra = _op_extra(mesh, quick, "cuda" if gpus else "cpu")
+        in_program, extra, after_reduce, beside_reduce, ends = _op_extra(mesh, quick, "cuda" if gpus else "cpu")
     finally:
         mesh.exit()
 
@@ -63,6 +65,7 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
         return statistics.median(r[key] for r in per_rank)
 
     flops = statistics.median(max(v for k, v in r.items() if k.startswith("matmul")) for r in per_rank)
+    decode = min(med("decode"), med("side_enqueue"))
     enqueue = med("side_enqueue")
     side_op = max(med("side_total") - enqueue, 1e-7)
     main_op = med("main_op")
@@ -88,17 +91,22 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
         # (an op in a program costs more than one of a loop of the same op: a tiny add_ 2-4 times as much, on a
         # CPU and on a GPU; the loop's figure is the floor)
         op_overhead=max(in_program, side_op if gpus else main_op - enqueue, 1e-7),
-        dispatch=enqueue,
+        dispatch=max(enqueue - decode, 1e-7),  # (decoding is charged when a batch arrives)
         intra_latency=intra_lat,
         intra_bw=intra_bw,
         inter_latency=2 * intra_lat,
         inter_bw=intra_bw / 2,
-        wire_latency=rtt / 2,
+        # (in a step on busy cores a batch takes longer to start, and a value to come back, than on idle ones)
+        wire_latency=max(ends[0] - ends[2] * decode, rtt / 2) if ends else rtt / 2,
+        fetch_latency=max(ends[1], rtt / 2) if ends else 0.0,
         controller_slowdown=slowdown,
         controller_load=load,
         compute_contention=med("contention_compute") if shared_cores else 1.0,
         comm_contention=med("contention_comm") if shared_cores else 1.0,
         handoff=handoff,
+        after_reduce=after_reduce,
+        beside_reduce=beside_reduce,
+        decode=decode,
         reduce_floor=statistics.median(c["1"] for c in comm) if shared_cores else 0.0,
         op_extra=extra,
         reduce_overhead=reduce_overhead,
@@ -112,6 +120,7 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
             "collectives": comm,
             "round_trip": rtt,
             "one_rank_reduce": one_rank,
+            "step_ends": ends,
         },
     )
     out = Path(path) if path is not None else devices.local_profile_path()
@@ -173,45 +182,129 @@ def _one_rank_reduce(mesh, rtt: float, quick: bool) -> float:
     return statistics.median(_per_reduce(one, t, k, rtt) for _ in range(runs))
 
 
-def _op_extra(mesh, quick: bool, device: str) -> tuple[float, dict[str, float]]:
-    """Seconds a tiny `add_` takes inside a small training step, and what each other op of the step costs
-    beyond it, by op name (`op_extra`).
+def _op_extra(mesh, quick: bool, device: str) -> tuple[float, dict[str, float], float, float, list | None]:
+    """Seconds a tiny `add_` takes inside a small training step, what each other op of the step costs beyond
+    it, by op name (`op_extra`), what the ops after a reduce lose (`after_reduce`) and beside one on a side
+    stream (`beside_reduce`), and how the step's batch arrives and its loss returns (`_ends`).
 
     The step (embedding, layer norm, attention, an MLP, cross entropy, autograd, an update) runs through the
     engine on tiny tensors, so that an op's time is its overhead: ATen's dispatch, on a GPU its launches.
-    Each command is timed on every worker as it runs (the engine's `around` hook); medians over all."""
+    Each command is timed on every worker as it runs (the engine's `around` hook). An op's figure is its
+    mean over all (on shared cores a worker is sometimes put off the core mid-op, and a step pays for
+    that too). Then, on a mesh of several workers, the same step reduces each gradient as `grad_generator`
+    gives it (the tutorial's step): what the ops between two reduces take beyond those figures, per reduce,
+    is `after_reduce`; and once more with each reduce on a side stream, dropped after the next gradient
+    (the tutorial's variant 3): what the step's ops take beyond those figures, per reduce, is
+    `beside_reduce`."""
     import torch
 
+    from monarch.runtime.tensor.comms import grad_generator
+    from monarch.runtime.tensor.streams import Stream
     from monarch.runtime.tensor.values import inspect
 
     with mesh.activate():
         torch.manual_seed(0)
         model = _sample_model().to(device)
-        params = list(model.parameters())
+        params = list(reversed(list(model.parameters())))
+    dim = mesh.names[0]
 
-    def step():
+    marks: list[tuple[float, float, float]] = []
+    """Per step: the controller's clock at its start, when it had issued it, when it had the loss."""
+
+    side = Stream("calibrate-comms")
+
+    def step(reduce: str) -> None:
+        t0 = time.perf_counter()
         with mesh.activate():
             x = torch.randint(0, 32, (2, 6), device=device)
             loss = model(x, x.roll(1, 1))
             with torch.no_grad():
-                for p, g in zip(params, torch.autograd.grad(loss, params)):
-                    p.add_(g * -0.01)
+                if reduce == "side":  # the tutorial's variant 3: each reduce runs beside the next gradient
+                    it = iter(
+                        (p, g, *side.borrow(g, mutable=True)) for p, g in zip(params, grad_generator(loss, params))
+                    )
+                    todo = next(it, None)
+                    while todo is not None:
+                        p, g, alias, borrow = todo
+                        with side.activate():
+                            alias.reduce_(dim, "sum")
+                        todo = next(it, None)
+                        borrow.drop()
+                        p.add_(g * -0.01)
+                else:
+                    for p, g in zip(params, grad_generator(loss, params)):
+                        if reduce == "main":
+                            g.reduce_(dim, "sum")
+                        p.add_(g * -0.01)
+        issued = time.perf_counter()
         inspect(loss)
+        marks.append((t0, issued, time.perf_counter()))
 
-    step()  # (warm)
-    RemoteFunction.by_name(WORKER, "time_ops", mesh).call_async().result()
-    try:
-        for _ in range(3 if quick else 10):
-            step()
-    finally:
-        per_rank = list(RemoteFunction.by_name(WORKER, "timed_ops", mesh).call_async().result())
+    def timed(reduce: str) -> list:
+        step(reduce)  # (warm)
+        RemoteFunction.by_name(WORKER, "time_ops", mesh).call_async().result()
+        marks.clear()
+        try:
+            for _ in range(3 if quick else 10):
+                step(reduce)
+        finally:
+            per_rank = list(RemoteFunction.by_name(WORKER, "timed_ops", mesh).call_async().result())
+        return per_rank
+
     times: dict[str, list[float]] = {}
-    for timed in per_rank:
-        for name, start, end in timed:
+    for per_rank in timed("none"):
+        for name, start, end in per_rank:
             times.setdefault(name, []).append(end - start)
-    med = {name: statistics.median(ts) for name, ts in times.items() if name.startswith("aten::")}
-    base = med.pop("aten::add_.Tensor")
-    return base, {name: t - base for name, t in sorted(med.items())}
+    mean = {name: statistics.fmean(ts) for name, ts in times.items()}
+    base = mean["aten::add_.Tensor"]
+    extra = {
+        name: t - base for name, t in sorted(mean.items()) if name.startswith("aten::") and name != "aten::add_.Tensor"
+    }
+    if len(mesh) == 1 or device != "cpu":
+        return base, extra, 0.0, 0.0, None
+    lost = []
+    per_ranks = timed("main")
+    for per_rank in per_ranks:
+        since: float | None = None  # what the ops since the last reduce lost (None: not between two reduces)
+        reduces = 0
+        for name, start, end in per_rank:
+            if name == "Reduce":
+                if since is not None:
+                    lost.append(since)
+                reduces += 1
+                # (after a step's last reduce come the next step's ops: only gaps between a step's reduces)
+                since = None if reduces % len(params) == 0 else 0.0
+            elif since is not None:
+                since += end - start - mean.get(name, end - start)
+    ends = _ends(per_ranks, marks)
+    # beside a side stream's reduces: what a step's ops (all on main) lost, per reduce
+    beside = []
+    for per_rank in timed("side"):
+        for t0, _, got in marks:
+            ops = [(name, e - s) for name, s, e in per_rank if t0 <= s <= got and name.startswith("aten::")]
+            beside.append(sum(t - mean.get(name, t) for name, t in ops) / len(params))
+    after = max(statistics.fmean(lost), 0.0) if lost else 0.0
+    return base, extra, after, max(statistics.fmean(beside), 0.0) if beside else 0.0, ends
+
+
+def _ends(per_rank: list, marks: list[tuple[float, float, float]]) -> list | None:
+    """(seconds from the controller's having issued a step to a worker's first command, seconds from the
+    fetched rank's last command to the controller's having the value, commands per step), medians over the
+    steps that went as one batch (their first command started after the controller had issued them); None
+    if none did. Commands and marks are on the host's monotonic clock."""
+    arrive, back, counts = [], [], []
+    for t0, issued, got in marks:
+        for rank, cmds in enumerate(per_rank):
+            mine = [(s, e) for _, s, e in cmds if t0 <= s <= got]
+            if not mine or mine[0][0] < issued:
+                continue
+            arrive.append(mine[0][0] - issued)
+            counts.append(len(mine))
+            if rank == 0:  # (`inspect` fetches from the first rank)
+                back.append(got - max(e for _, e in mine))
+    if not arrive or not back:
+        return None
+    return [statistics.median(arrive), statistics.median(back), round(statistics.median(counts))]  # (JSON's)
 
 
 def _sample_model():

@@ -372,6 +372,60 @@ def test_on_a_cpu_compute_and_a_reduce_that_overlap_share_the_cores_and_a_drop_c
     )
 
 
+def test_on_a_cpu_a_batch_is_decoded_on_arrival_and_the_ops_after_a_reduce_pay_for_the_wait():
+    """A worker decodes a whole batch before its first command (`decode` per command), and on a CPU worker the
+    first op after a reduce its command thread ran loses `after_reduce`, after one on a side stream
+    `beside_reduce`; never on a GPU. A fetched value reaches the controller `fetch_latency` after the worker had it."""
+    from monarch.runtime.backends.sim import devices
+
+    def run(kind: str, side: bool) -> tuple[list, list]:
+        dev = dataclasses.replace(
+            devices.DEVICES["cpu" if kind == "cpu" else "h100"], op_overhead=1e-3, dispatch=1e-6,
+            intra_latency=5e-3, decode=2e-3, after_reduce=7e-3, beside_reduce=11e-3, fetch_latency=3e-3,
+        )  # fmt: skip
+        sim = monarch.Simulator(hosts=1, gpus=2, device=dev)
+        comms = monarch.Stream("comms")
+        with sim.mesh.activate():
+            g = torch.ones(4)
+            if side:
+                alias, borrow = comms.borrow(g, mutable=True)
+                with comms.activate():
+                    alias.reduce_("gpu", "sum")
+                borrow.drop()
+            else:
+                g.reduce_("gpu", "sum")
+            g.add_(1)
+            g.add_(1)
+        monarch.inspect(g)
+        w = sim._backend.workers
+        ops = [(e.name, 1e3 * float(e.start[0]), 1e3 * float(e.end[0])) for e in w.events]
+        # the value comes back `fetch_latency` after the worker had it
+        assert 1e3 * sim.time >= 1e3 * w.synced(0) + 3 - 0.01 and any(
+            what == "fetch a value" and 1e3 * end == pytest.approx(1e3 * w.synced(0) + 3, abs=0.01)
+            for _, end, what in sim._backend.controller_spans
+        )
+        sent = [
+            (1e3 * t, int(what.split()[1])) for t, _, what in sim._backend.controller_spans if what.startswith("sent")
+        ]
+        wire = 1e3 * dev.wire_latency
+        sim.exit()
+        return ops, [(t + wire, n) for t, n in sent]
+
+    ops, batches = run("cpu", side=False)
+    (arrived, n), *_ = batches
+    print("one stream, CPU:", ops, batches)
+    assert ops[0][1] == pytest.approx(arrived + n * 2.0, abs=0.01)  # (the first op waits for the whole batch)
+    adds = [end - start for name, start, end in ops if name == "aten::add_.Tensor"]
+    assert adds == [pytest.approx(1 + 7, abs=0.01), pytest.approx(1, abs=0.01)]
+    ops, _ = run("cpu", side=True)  # (beside a side stream's reduce: here the op after its drop)
+    adds = [end - start for name, start, end in ops if name == "aten::add_.Tensor"]
+    assert adds == [pytest.approx(1 + 11, abs=0.01), pytest.approx(1, abs=0.01)], ops
+    for side in (False, True):
+        ops, _ = run("gpu", side)
+        adds = [end - start for name, start, end in ops if name == "aten::add_.Tensor"]
+        assert adds == [pytest.approx(1, abs=0.01)] * 2, (side, ops)
+
+
 def _beside_the_controller(wait, load: float) -> tuple[float, float]:
     """A 40 ms reduce on 2 CPU workers of a made-up profile, sent just before the controller spends ~30 ms
     in `wait`: (how long the reduce took, how long the controller's clock moved meanwhile), in ms."""
@@ -438,6 +492,16 @@ def test_calibration_measures_this_machine_and_the_simulator_uses_it(tmp_path, m
     print("op_extra (us):", {k: round(v * 1e6, 1) for k, v in extra.items()})
     assert {"aten::mm", "aten::native_layer_norm_backward", "aten::_softmax", "aten::embedding"} <= set(extra)
     assert "aten::add_.Tensor" not in extra and saved["op_overhead"] + min(extra.values()) > -1e-4
+    # decoding a batch, and (CPU workers sharing cores) what the ops after a reduce lose
+    print("decode (us per command):", 1e6 * saved["decode"], "after a reduce (us):", 1e6 * saved["after_reduce"])
+    assert 0 < saved["decode"] <= saved["measured"]["per_rank"][0]["side_enqueue"] * 10
+    assert saved["after_reduce"] >= 0 and (saved["kind"] == "cpu" or saved["after_reduce"] == 0)
+    # how a step's batch arrived and its loss came back, at the end of a step on busy cores
+    ends = saved["measured"]["step_ends"]
+    print("step ends (arrival s, return s, commands):", ends, "round trip (s):", saved["measured"]["round_trip"])
+    if saved["kind"] == "cpu" and ends is not None:
+        assert ends[0] > 0 and ends[1] > 0 and ends[2] > 50  # (the sample step issues about 175 commands)
+        assert saved["fetch_latency"] == max(ends[1], saved["measured"]["round_trip"] / 2)
     sim = monarch.Simulator(hosts=1, gpus=2, device="local")
     assert sim.device == prof
     with sim.mesh.activate():

@@ -80,6 +80,8 @@ def measure(n_ops: int = 1000, quick: bool = False) -> dict:
         side_cmd = P.OnStream(1 << 20, P.Op("aten::add_.Tensor", (Ref(x), Ref(y)), {}, x, "calibrate"))
         side = _batch([side_cmd] * n_ops)
         out["side_enqueue"] = _median(lambda: _run(side), rep) / n_ops
+        # of which decoding the batch (done for all of it before its first command runs)
+        out["decode"] = _median(lambda: P.unpack_commands(wire.loads(side[0], side[1:])), rep) / n_ops
         sync_streams()
         out["side_total"] = _median(lambda: (_run(side), sync_streams()), rep) / n_ops
         # compute and memory rates, straight torch (the ops a model issues are as fast as torch's)

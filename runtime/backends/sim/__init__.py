@@ -167,7 +167,7 @@ class SimBackend(Backend):
             (ref,), _ = wire.loads(body[0], body[1:])
             ready = max(w.synced(r) for r in msg.ranks)
             start = self.clock
-            self.clock = max(self.clock, ready + self.dev.wire_latency)
+            self.clock = max(self.clock, ready + (self.dev.fetch_latency or self.dev.wire_latency))
             self.controller_spans.append((start, self.clock, "fetch a value"))
             if not self.warned:
                 self.warned = True

@@ -45,7 +45,11 @@ class DeviceProfile:
     inter_bw: float
     """Bytes per second per worker across hosts (its network port)."""
     wire_latency: float = 50e-6
-    """Seconds from the controller to a worker and back, once (a batch's arrival, a fetched value's return)."""
+    """Seconds from the controller to a worker, once (a batch's arrival; a fetched value's return too,
+    unless `fetch_latency` is set)."""
+    fetch_latency: float = 0.0
+    """Seconds from a value's being ready on a worker to the controller's having it (0: `wire_latency`);
+    measured by `calibrate()` at the end of a training step, when the cores are busy."""
     controller_slowdown: float = 1.0
     """How much slower the controller's Python runs while the workers compute: above 1 where they share its
     cores (CPU workers on the notebook's machine); measured by `calibrate()`."""
@@ -76,6 +80,16 @@ class DeviceProfile:
     """Seconds a reduce costs its worker's thread beyond the collective (the engine's failure flag, the
     process group's own work; on a GPU the wait for the flag): what a reduce over one rank takes; measured
     by `calibrate()` (0: part of the latency)."""
+    after_reduce: float = 0.0
+    """Seconds a CPU worker's command thread loses in the ops after a reduce it ran itself (its caches and
+    the cores' turn are gone while it waited on the ring: the first few ops after a reduce take several
+    times as long as the same ops elsewhere in a step); measured by `calibrate()`."""
+    beside_reduce: float = 0.0
+    """Seconds a CPU worker's main thread loses in its ops while a reduce runs on a side stream of its worker
+    (the threads take turns on the cores and on Python's lock), per reduce; measured by `calibrate()`."""
+    decode: float = 0.0
+    """Seconds per command a worker spends decoding a batch when it arrives, before running its first
+    command (0: part of `dispatch`); measured by `calibrate()`."""
     memory: int = 0
     """Bytes of device memory (0: not known); a rank that needs more is flagged."""
     alloc_round: int = 1

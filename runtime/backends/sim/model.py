@@ -1,18 +1,22 @@
 """Simulated workers: the tensor commands of a mesh, run on fake tensors against a cost model.
 
 Every rank has a command thread (the *dispatch* clock) and one clock per stream. A batch arrives when the
-controller sent it; each command costs the command thread `dispatch`. On a CPU worker the main stream
+controller sent it and is decoded whole (`decode` per command) before its first command runs; each command
+costs the command thread `dispatch`. On a CPU worker the main stream
 runs on the command thread itself (so a wait on it holds back every later command, as on a real CPU
 worker); on a GPU the main stream is a queue like the others. A borrow makes the borrowing stream wait for
 the point the origin stream had reached; its drop makes the origin wait for the borrower (on a CPU,
 plus the calibrated cost of waking the threads, `handoff`). On a GPU the engine reads a reduce's failure
 flag on the host, so the thread that issued it waits for its end, and a drop on the main stream waits for
-the borrowing stream's thread (`held`). A collective
+the borrowing stream's thread (`held`); on a CPU the first op after a reduce the command thread ran
+itself pays what the wait cost it (`after_reduce`, `owed`), and after one on a side stream what running
+beside it costs (`beside_reduce`). A collective
 starts when the last rank of its group reaches it; the time the others wait is communication too, as in
 a real trace. On a CPU, compute on the main stream and a side stream's work that overlap share the cores
 and slow each other down, by factors `calibrate()` measures (`SimWorkers._share`). Memory: a result that
-does not alias an input is an allocation (at its op's start); a storage is freed when the last handle
-naming it is freed. While the controller computes (issuing commands, autograd), the workers of its host
+does not alias an input is an allocation (at its op's start; on a GPU when the command thread launches the
+op, as CUDA's caching allocator serves it on the host); a storage is freed when the last handle naming it
+is freed. While the controller computes (issuing commands, autograd), the workers of its host
 are slower by the calibrated `controller_load` (`SimWorkers.controller_busy`).
 
 State is kept once per command, not per rank: clocks are numpy arrays over ranks, so a 512-rank mesh
@@ -114,6 +118,8 @@ class SimWorkers:
         """Events that may still end after the controller's clock (what `controller_busy` may move)."""
         self.held: dict[int, np.ndarray] = {}
         """Stream id (not main) -> per rank, until when its thread waits for a reduce (on a GPU)."""
+        self.owed = np.zeros(size) if self.inline and (dev.after_reduce > 0 or dev.beside_reduce > 0) else None
+        """Per rank: what the ops after a reduce on the command thread still lose (`after_reduce`, CPU)."""
 
     # -- clocks ------------------------------------------------------------------------------------
     def reset(self, now: float) -> None:
@@ -149,6 +155,9 @@ class SimWorkers:
         self._take(idx)
         if sid == 0 and self.inline:
             start = self.dispatch[idx]
+            if self.owed is not None:  # (the first op after a reduce on this thread pays what it lost)
+                dur = dur + self.owed[idx]
+                self.owed[idx] = 0.0
             end = start + dur
             if self.sharing and kind == "compute" and len(self.streams) > 1:
                 end = self._share(idx, start, end)
@@ -265,7 +274,8 @@ class SimWorkers:
 
     # -- commands ----------------------------------------------------------------------------------
     def run_batch(self, idx: np.ndarray, batch: list, arrival: float) -> None:
-        self.dispatch[idx] = np.maximum(self.dispatch[idx], arrival)
+        # (a worker decodes a whole batch before it runs the first of its commands)
+        self.dispatch[idx] = np.maximum(self.dispatch[idx], arrival) + len(batch) * self.dev.decode
         for cmd in batch:
             self.commands += 1
             if type(cmd) is P.OnStream:
@@ -284,6 +294,7 @@ class SimWorkers:
         elif t is P.Free:
             at = self._ready(idx, sid)
             self._finish(idx, sid, at)
+            at = at if self.inline else self.dispatch[idx].copy()  # (a GPU's caching allocator: at once)
             for ref in cmd.refs:
                 self._drop(ref, idx, at)
         elif t is P.Alias:
@@ -367,6 +378,7 @@ class SimWorkers:
         dur, flops, nb = costs.op_cost(self.dev, func, args, kwargs, out)
         kind = "comm" if cmd.name.startswith("c10d::") else "compute"
         start = self._run(idx, sid, dur, cmd.name, kind, cmd.where, flops, nb)
+        launched = self.dispatch[idx]  # (on a GPU the command thread allocates results as it launches the op)
         shares = _shared_memory(func, cmd)
         for ref, value in zip(_flat(cmd.out), _flat(out)):
             if ref is None or not isinstance(value, torch.Tensor):
@@ -377,7 +389,7 @@ class SimWorkers:
                 self.storages[base.storage][1] += 1
                 self._set(ref, _Value(value, base.storage), idx)
             else:
-                self._new_value(ref, value, idx, start, cmd.where)
+                self._new_value(ref, value, idx, start if self.inline else launched, cmd.where)
 
     def _new_value(self, ref: int, fake: Any, idx: np.ndarray, at: np.ndarray, where: str) -> None:
         nb = costs.alloc_bytes(self.dev, fake)
@@ -418,6 +430,7 @@ class SimWorkers:
         nb = elements * _itemsize(cmd.dtype)
         ready = np.zeros(self.size)
         ready[idx] = self._ready(idx, sid)
+        launched = self.dispatch[idx].copy()
         end = ready.copy()
         partition = self.groups.get(cmd.gid) or (tuple(int(r) for r in idx),)
         for groups in _by_size(partition):
@@ -428,6 +441,8 @@ class SimWorkers:
                            costs.collective_time(self.dev, kind, nb, p, False, elements))  # fmt: skip
             end[groups] = (ready[groups].max(axis=1) + dur)[:, None]
         self._finish(idx, sid, end[idx])
+        if self.owed is not None:  # (what the main thread's next op loses: it waited, or it runs beside it)
+            self.owed[idx] += self.dev.after_reduce if sid == 0 else self.dev.beside_reduce
         if not self.inline:  # on a GPU the engine reads the reduce's failure flag: its thread waits for the end
             if sid == 0:
                 self.dispatch[idx] = np.maximum(self.dispatch[idx], end[idx])
@@ -438,7 +453,8 @@ class SimWorkers:
         self._record(Event(idx, sid, ready[idx], end[idx], name, "comm", cmd.where, 0.0, nb))
         if cmd.out != cmd.src:
             shape = _out_shape(cmd)
-            self._new_value(cmd.out, _empty(self, shape, cmd.dtype), idx, ready[idx], cmd.where)
+            at = ready[idx] if self.inline else launched
+            self._new_value(cmd.out, _empty(self, shape, cmd.dtype), idx, at, cmd.where)
 
     def _move(self, idx: np.ndarray, sid: int, cmd: P.MoveWithin) -> None:
         nb = _numel(cmd.shape) * _itemsize(cmd.dtype)
