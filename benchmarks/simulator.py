@@ -9,7 +9,7 @@ start (real: `monarch.memory`'s CPU recording; simulated: the model's allocation
 communication with compute (real: `monarch.profiler`'s summary of one profiled step; simulated: the
 simulator's summary). The error is (simulated - measured) / measured.
 
-    python benchmarks/simulator.py [--workers 4] [--steps 12] [--rounds 5] [--profile PATH] [--only NAME]
+    python benchmarks/simulator.py [--workers 4] [--steps 12] [--rounds 7] [--profile PATH] [--only NAME]
     python benchmarks/simulator.py --device cuda    # on a GPU machine: one worker per GPU, a GPU profile
 
 With `--device cuda` the models and data live on the GPUs, the profile is the GPUs' own (calibrated, and
@@ -187,7 +187,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--rounds", type=int, default=5, help="measure each side this many times; report the median")
+    ap.add_argument("--rounds", type=int, default=7, help="measure each side this many times; report the median")
     ap.add_argument("--profile", default=None, help="a calibrated profile (default: calibrate before each round)")
     ap.add_argument("--only", default="", help="run the programs whose name contains this")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one worker per GPU")
@@ -201,35 +201,41 @@ def main() -> None:
     what = f"{args.workers} CPU workers" if args.device == "cpu" else f"{args.workers} x {torch.cuda.get_device_name()}"
     print(f"{os.cpu_count()} cores, {what}, torch {torch.__version__}; profile "
           f"{args.profile or 'calibrated before each round (a VM speeds up and slows down within minutes)'}")  # fmt: skip
-    print(f"{'program':<42}{'step ms real':>13}{'sim':>8}{'err':>8}{'err per round':>22}{'peak KiB real':>15}"
+    print(f"{'program':<42}{'step ms real':>13}{'sim':>8}{'err':>8}{'err per round':>28}{'peak KiB real':>15}"
           f"{'sim':>9}{'err':>8}"
           f"{'overlap % real':>16}{'sim':>7}")  # fmt: skip
-    rows, sheets = [], []
-    for name, (make, train, data) in programs(monarch.Stream("comms"), args.device).items():
-        if args.only and args.only not in name:
-            continue
-        reals, sims = [], []
-        for _ in range(args.rounds):  # (alternating: a slow spell of the machine hits both sides)
-            if args.profile is None:
-                _quietly(Simulator.calibrate, profile_path, workers=args.workers)
-            reals.append(real_side(mesh, make, train, data, args.steps, args.device == "cuda"))
-            sims.append(sim_side(profile_path, 1, args.workers, make, train, data, args.steps))
+    chosen = {k: v for k, v in programs(monarch.Stream("comms"), args.device).items() if args.only in k}
+    reals: dict[str, list] = {name: [] for name in chosen}
+    sims: dict[str, list] = {name: [] for name in chosen}
+    sheets: dict[str, list] = {name: [] for name in chosen}
+    # rounds outside, programs inside: each round calibrates once (a VM speeds up and slows down within
+    # minutes), then measures every program on both sides, alternately
+    for i in range(args.rounds):
+        print(f"round {i + 1} of {args.rounds}", file=sys.stderr, flush=True)
+        if args.profile is None:
+            _quietly(Simulator.calibrate, profile_path, workers=args.workers)
+        for name, (make, train, data) in chosen.items():
+            reals[name].append(real_side(mesh, make, train, data, args.steps, args.device == "cuda"))
+            sims[name].append(sim_side(profile_path, 1, args.workers, make, train, data, args.steps))
             if args.device == "cuda":  # the datasheet's H100 beside the calibration
-                sheets.append(sim_side("h100", 1, args.workers, make, train, data, args.steps))
-        real, sim = _medians(reals), _medians(sims)
+                sheets[name].append(sim_side("h100", 1, args.workers, make, train, data, args.steps))
+    rows = []
+    for name in chosen:
+        real, sim = _medians(reals[name]), _medians(sims[name])
         e_step = (sim["step"] - real["step"]) / real["step"]
         e_peak = (sim["peak"] - real["peak"]) / real["peak"] if real["peak"] else float("nan")
         rows.append((name, real, sim))
-        per_round = "/".join(f"{100 * (s['step'] - r['step']) / r['step']:+.0f}" for r, s in zip(reals, sims))
+        per_round = "/".join(
+            f"{100 * (s['step'] - r['step']) / r['step']:+.0f}" for r, s in zip(reals[name], sims[name])
+        )
         print(f"{name:<42}{1000 * real['step']:>13.2f}{1000 * sim['step']:>8.2f}{100 * e_step:>7.0f}%"
-              f"{per_round:>22}{real['peak'] / 1024:>15.1f}{sim['peak'] / 1024:>9.1f}{100 * e_peak:>7.0f}%"
+              f"{per_round:>28}{real['peak'] / 1024:>15.1f}{sim['peak'] / 1024:>9.1f}{100 * e_peak:>7.0f}%"
               f"{real['overlap']:>16.1f}{sim['overlap']:>7.1f}", flush=True)  # fmt: skip
-        if sheets:
-            sheet = _medians(sheets)["step"]
+        if sheets[name]:
+            sheet = _medians(sheets[name])["step"]
             print(
                 f"{'  (datasheet h100)':<42}{'':>13}{1000 * sheet:>8.2f}{100 * (sheet - real['step']) / real['step']:>7.0f}%"
             )
-            sheets.clear()
     mesh.exit()
     if len(rows) < 3 or args.workers < 2:  # (one worker has no one to overlap communication with)
         return
