@@ -374,11 +374,13 @@ def test_on_a_cpu_compute_and_a_reduce_that_overlap_share_the_cores_and_a_drop_c
 
 def test_on_a_cpu_a_batch_is_decoded_on_arrival_and_the_ops_after_a_reduce_pay_for_the_wait():
     """A worker decodes a whole batch before its first command (`decode` per command), and on a CPU worker the
-    first op after a reduce its command thread ran loses `after_reduce`, after one on a side stream
-    `beside_reduce`; never on a GPU. A fetched value reaches the controller `fetch_latency` after the worker had it."""
+    first op after a reduce its command thread ran loses `after_reduce`; the first op on main beside a side
+    stream's reduce loses `beside_reduce` (not one that waited for the reduce's drop instead: the hand-over is
+    what the wait cost); never on a GPU. A fetched value reaches the controller `fetch_latency` after the
+    worker had it."""
     from monarch.runtime.backends.sim import devices
 
-    def run(kind: str, side: bool) -> tuple[list, list]:
+    def run(kind: str, mode: str) -> tuple[list, list]:
         dev = dataclasses.replace(
             devices.DEVICES["cpu" if kind == "cpu" else "h100"], op_overhead=1e-3, dispatch=1e-6,
             intra_latency=5e-3, decode=2e-3, after_reduce=7e-3, beside_reduce=11e-3, fetch_latency=3e-3,
@@ -387,13 +389,15 @@ def test_on_a_cpu_a_batch_is_decoded_on_arrival_and_the_ops_after_a_reduce_pay_f
         comms = monarch.Stream("comms")
         with sim.mesh.activate():
             g = torch.ones(4)
-            if side:
+            if mode == "main":
+                g.reduce_("gpu", "sum")
+            else:
                 alias, borrow = comms.borrow(g, mutable=True)
                 with comms.activate():
                     alias.reduce_("gpu", "sum")
+                if mode == "beside":
+                    torch.zeros(4)  # (runs beside the reduce)
                 borrow.drop()
-            else:
-                g.reduce_("gpu", "sum")
             g.add_(1)
             g.add_(1)
         monarch.inspect(g)
@@ -411,19 +415,22 @@ def test_on_a_cpu_a_batch_is_decoded_on_arrival_and_the_ops_after_a_reduce_pay_f
         sim.exit()
         return ops, [(t + wire, n) for t, n in sent]
 
-    ops, batches = run("cpu", side=False)
+    def took(ops: list, name: str) -> list:
+        return [end - start for n, start, end in ops if n == name]
+
+    ops, batches = run("cpu", "main")
     (arrived, n), *_ = batches
     print("one stream, CPU:", ops, batches)
     assert ops[0][1] == pytest.approx(arrived + n * 2.0, abs=0.01)  # (the first op waits for the whole batch)
-    adds = [end - start for name, start, end in ops if name == "aten::add_.Tensor"]
-    assert adds == [pytest.approx(1 + 7, abs=0.01), pytest.approx(1, abs=0.01)]
-    ops, _ = run("cpu", side=True)  # (beside a side stream's reduce: here the op after its drop)
-    adds = [end - start for name, start, end in ops if name == "aten::add_.Tensor"]
-    assert adds == [pytest.approx(1 + 11, abs=0.01), pytest.approx(1, abs=0.01)], ops
-    for side in (False, True):
-        ops, _ = run("gpu", side)
-        adds = [end - start for name, start, end in ops if name == "aten::add_.Tensor"]
-        assert adds == [pytest.approx(1, abs=0.01)] * 2, (side, ops)
+    assert took(ops, "aten::add_.Tensor") == [pytest.approx(1 + 7, abs=0.01), pytest.approx(1, abs=0.01)]
+    ops, _ = run("cpu", "beside")
+    assert took(ops, "aten::zeros") == [pytest.approx(1 + 11, abs=0.01)], ops
+    assert took(ops, "aten::add_.Tensor") == [pytest.approx(1, abs=0.01)] * 2, ops
+    ops, _ = run("cpu", "drop at once")
+    assert took(ops, "aten::add_.Tensor") == [pytest.approx(1, abs=0.01)] * 2, ops
+    for mode in ("main", "beside"):
+        ops, _ = run("gpu", mode)
+        assert took(ops, "aten::add_.Tensor") == [pytest.approx(1, abs=0.01)] * 2, (mode, ops)
 
 
 def _beside_the_controller(wait, load: float) -> tuple[float, float]:

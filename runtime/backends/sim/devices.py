@@ -86,7 +86,9 @@ class DeviceProfile:
     times as long as the same ops elsewhere in a step); measured by `calibrate()`."""
     beside_reduce: float = 0.0
     """Seconds a CPU worker's main thread loses in its ops while a reduce runs on a side stream of its worker
-    (the threads take turns on the cores and on Python's lock), per reduce; measured by `calibrate()`."""
+    (the threads take turns on the cores and on Python's lock), per reduce: the first op on main after the
+    reduce was issued pays it, unless main waited for the reduce's drop first (then `handoff` is what the
+    wait cost); measured by `calibrate()`."""
     decode: float = 0.0
     """Seconds per command a worker spends decoding a batch when it arrives, before running its first
     command (0: part of `dispatch`); measured by `calibrate()`."""

@@ -321,6 +321,8 @@ class SimWorkers:
             if cmd.from_stream == 0 and self.inline:  # the main thread waits for the drop: a hand-over
                 d = self.dispatch[idx]
                 self.dispatch[idx] = np.where(done > d, done + self.dev.handoff, d)
+                if self.owed is not None:  # (one that waited ran nothing beside the reduce: the hand-over is
+                    self.owed[idx] = np.where(done > d, 0.0, self.owed[idx])  # what the wait cost it)
             else:
                 s = self._stream(cmd.from_stream)
                 s[idx] = np.maximum(s[idx], done)
