@@ -57,7 +57,9 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
         slowdown = 1.0 if gpus else _controller_slowdown(mesh, quick)
         load = _controller_load(mesh, rtt, quick) if shared_cores else 1.0
         one_rank = _one_rank_reduce(mesh, rtt, quick)
-        in_program, extra, after_reduce, beside_reduce, ends = _op_extra(mesh, quick, "cuda" if gpus else "cpu")
+        in_program, extra, after_reduce, beside_reduce, ends = _sample_step_costs(
+            mesh, quick, "cuda" if gpus else "cpu"
+        )
     finally:
         mesh.exit()
 
@@ -65,8 +67,8 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
         return statistics.median(r[key] for r in per_rank)
 
     flops = statistics.median(max(v for k, v in r.items() if k.startswith("matmul")) for r in per_rank)
-    decode = min(med("decode"), med("side_enqueue"))
     enqueue = med("side_enqueue")
+    decode = min(med("decode"), enqueue)
     side_op = max(med("side_total") - enqueue, 1e-7)
     main_op = med("main_op")
     reduce_overhead = max(one_rank - main_op, 0.0)  # (the engine's own work per reduce, beyond a command's)
@@ -182,7 +184,7 @@ def _one_rank_reduce(mesh, rtt: float, quick: bool) -> float:
     return statistics.median(_per_reduce(one, t, k, rtt) for _ in range(runs))
 
 
-def _op_extra(mesh, quick: bool, device: str) -> tuple[float, dict[str, float], float, float, list | None]:
+def _sample_step_costs(mesh, quick: bool, device: str) -> tuple[float, dict[str, float], float, float, list | None]:
     """Seconds a tiny `add_` takes inside a small training step, what each other op of the step costs beyond
     it, by op name (`op_extra`), what the ops after a reduce lose (`after_reduce`) and beside one on a side
     stream (`beside_reduce`), and how the step's batch arrives and its loss returns (`_ends`).
@@ -262,53 +264,57 @@ def _op_extra(mesh, quick: bool, device: str) -> tuple[float, dict[str, float], 
     }
     if len(mesh) == 1 or device != "cpu":
         return base, extra, 0.0, 0.0, None
-    lost = []
-    per_ranks = timed("main")
-    for per_rank in per_ranks:
-        since: float | None = None  # what the ops since the last reduce lost (None: not between two reduces)
-        reduces = 0
-        for name, start, end in per_rank:
-            if name == "Reduce":
-                if since is not None:
-                    lost.append(since)
-                reduces += 1
-                # (after a step's last reduce come the next step's ops: only gaps between a step's reduces)
-                since = None if reduces % len(params) == 0 else 0.0
-            elif since is not None:
-                since += end - start - mean.get(name, end - start)
-    ends = _ends(per_ranks, marks)
+    per_rank = timed("main")
+    main_marks = list(marks)
+    lost = [  # per gap between two of a step's reduces: what its ops lost
+        sum(e - st - mean.get(name, e - st) for name, st, e in gap)
+        for cmds in per_rank
+        for step_cmds in _by_step(cmds, main_marks)
+        for gap in _between_reduces(step_cmds)
+    ]
     # beside a side stream's reduces: what a step's ops (all on main) lost, per reduce
-    beside = []
-    for per_rank in timed("side"):
-        for t0, _, got in marks:
-            ops = [(name, e - s) for name, s, e in per_rank if t0 <= s <= got and name.startswith("aten::")]
-            beside.append(sum(t - mean.get(name, t) for name, t in ops) / len(params))
+    beside = [
+        sum(e - st - mean.get(name, e - st) for name, st, e in step_cmds if name.startswith("aten::")) / len(params)
+        for cmds in timed("side")
+        for step_cmds in _by_step(cmds, marks)
+    ]
     after = max(statistics.fmean(lost), 0.0) if lost else 0.0
-    return base, extra, after, max(statistics.fmean(beside), 0.0) if beside else 0.0, ends
+    return base, extra, after, max(statistics.fmean(beside), 0.0) if beside else 0.0, _ends(per_rank, main_marks)
+
+
+def _by_step(cmds: list, marks: list[tuple[float, float, float]]) -> list[list]:
+    """A worker's timed commands (name, start, end), cut into the steps the controller ran (`marks`: each
+    step's start, issued, value fetched; the same monotonic clock)."""
+    return [[c for c in cmds if t0 <= c[1] <= got] for t0, _, got in marks]
+
+
+def _between_reduces(step_cmds: list) -> list[list]:
+    """The commands of one step between each two consecutive reduces."""
+    at = [i for i, c in enumerate(step_cmds) if c[0] == "Reduce"]
+    return [step_cmds[i + 1 : j] for i, j in zip(at, at[1:])]
 
 
 def _ends(per_rank: list, marks: list[tuple[float, float, float]]) -> list | None:
     """(seconds from the controller's having issued a step to a worker's first command, seconds from the
     fetched rank's last command to the controller's having the value, commands per step), medians over the
     steps that went as one batch (their first command started after the controller had issued them); None
-    if none did. Commands and marks are on the host's monotonic clock."""
+    if none did."""
     arrive, back, counts = [], [], []
-    for t0, issued, got in marks:
-        for rank, cmds in enumerate(per_rank):
-            mine = [(s, e) for _, s, e in cmds if t0 <= s <= got]
-            if not mine or mine[0][0] < issued:
+    for rank, cmds in enumerate(per_rank):
+        for (_, issued, got), mine in zip(marks, _by_step(cmds, marks)):
+            if not mine or mine[0][1] < issued:
                 continue
-            arrive.append(mine[0][0] - issued)
+            arrive.append(mine[0][1] - issued)
             counts.append(len(mine))
             if rank == 0:  # (`inspect` fetches from the first rank)
-                back.append(got - max(e for _, e in mine))
+                back.append(got - max(c[2] for c in mine))
     if not arrive or not back:
         return None
     return [statistics.median(arrive), statistics.median(back), round(statistics.median(counts))]  # (JSON's)
 
 
 def _sample_model():
-    """The model `_op_extra` times: the ops a training step issues most, on tiny tensors."""
+    """The model `_sample_step_costs` times: the ops a training step issues most, on tiny tensors."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F

@@ -379,8 +379,9 @@ class SimWorkers:
             return
         dur, flops, nb = costs.op_cost(self.dev, func, args, kwargs, out)
         kind = "comm" if cmd.name.startswith("c10d::") else "compute"
-        start = self._run(idx, sid, dur, cmd.name, kind, cmd.where, flops, nb)
-        launched = self.dispatch[idx]  # (on a GPU the command thread allocates results as it launches the op)
+        alloc_at = self._run(idx, sid, dur, cmd.name, kind, cmd.where, flops, nb)  # (the op's start)
+        if not self.inline:  # (on a GPU the command thread allocates results as it launches the op)
+            alloc_at = self.dispatch[idx]
         shares = _shared_memory(func, cmd)
         for ref, value in zip(_flat(cmd.out), _flat(out)):
             if ref is None or not isinstance(value, torch.Tensor):
@@ -391,7 +392,7 @@ class SimWorkers:
                 self.storages[base.storage][1] += 1
                 self._set(ref, _Value(value, base.storage), idx)
             else:
-                self._new_value(ref, value, idx, start if self.inline else launched, cmd.where)
+                self._new_value(ref, value, idx, alloc_at, cmd.where)
 
     def _new_value(self, ref: int, fake: Any, idx: np.ndarray, at: np.ndarray, where: str) -> None:
         nb = costs.alloc_bytes(self.dev, fake)
@@ -432,7 +433,7 @@ class SimWorkers:
         nb = elements * _itemsize(cmd.dtype)
         ready = np.zeros(self.size)
         ready[idx] = self._ready(idx, sid)
-        launched = self.dispatch[idx].copy()
+        alloc_at = ready[idx] if self.inline else self.dispatch[idx]  # (on a GPU: as the thread launches it)
         end = ready.copy()
         partition = self.groups.get(cmd.gid) or (tuple(int(r) for r in idx),)
         for groups in _by_size(partition):
@@ -455,8 +456,7 @@ class SimWorkers:
         self._record(Event(idx, sid, ready[idx], end[idx], name, "comm", cmd.where, 0.0, nb))
         if cmd.out != cmd.src:
             shape = _out_shape(cmd)
-            at = ready[idx] if self.inline else launched
-            self._new_value(cmd.out, _empty(self, shape, cmd.dtype), idx, at, cmd.where)
+            self._new_value(cmd.out, _empty(self, shape, cmd.dtype), idx, alloc_at, cmd.where)
 
     def _move(self, idx: np.ndarray, sid: int, cmd: P.MoveWithin) -> None:
         nb = _numel(cmd.shape) * _itemsize(cmd.dtype)
