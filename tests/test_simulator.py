@@ -496,11 +496,6 @@ def test_calibration_measures_this_machine_and_the_simulator_uses_it(tmp_path, m
     # the engine's own cost per reduce (over one rank), and each op of the sample step beyond a tiny add_
     # (measured less the round trip, clamped at 0: on a loaded machine a quick calibration can read 0)
     assert saved["reduce_overhead"] >= 0 and saved["measured"]["one_rank_reduce"] >= 0
-    assert (
-        saved["reduce_overhead"]
-        == max(saved["measured"]["one_rank_reduce"] - saved["measured"]["per_rank"][0]["main_op"], 0.0)
-        or len(saved["measured"]["per_rank"]) > 1
-    )
     extra = saved["op_extra"]
     print("op_extra (us):", {k: round(v * 1e6, 1) for k, v in extra.items()})
     assert {"aten::mm", "aten::native_layer_norm_backward", "aten::_softmax", "aten::embedding"} <= set(extra)
