@@ -299,15 +299,20 @@ class Controller:
         limit = self.settings.hang_report
         while not self._closed:
             time.sleep(min(1.0, limit / 4))
-            now = time.monotonic()
-            for pending in list(self.calls.values()):
-                due = max(pending.started + limit, pending.next_hang_check)
-                if not pending.hang_reported and now >= due and not pending.future.done():
-                    pending.next_hang_check = now + limit  # (a healthy loop is looked at again only later)
-                    try:
-                        self._report_hang(pending)
-                    except Exception:
-                        traceback.print_exc(file=sys.__stderr__)
+            # In a frame of its own: a loop variable left bound here would keep the last call looked at,
+            # and its replies (a large result's frames), alive while this thread sleeps (issue 30).
+            self._look_for_hangs(limit)
+
+    def _look_for_hangs(self, limit: float) -> None:
+        now = time.monotonic()
+        for pending in list(self.calls.values()):
+            due = max(pending.started + limit, pending.next_hang_check)
+            if not pending.hang_reported and now >= due and not pending.future.done():
+                pending.next_hang_check = now + limit  # (a healthy loop is looked at again only later)
+                try:
+                    self._report_hang(pending)
+                except Exception:
+                    traceback.print_exc(file=sys.__stderr__)
 
     def _report_hang(self, pending: PendingCall) -> None:
         """Look HANG_SAMPLES times, HANG_EVERY seconds apart: only a picture that stays the same (the same
