@@ -11,8 +11,12 @@ from monarch.runtime.controller import LineLabeller, OutputEvent
 from monarch.runtime.remote import Future, ValueMesh
 
 STARTUP_GRACE = 0.3
-"""Seconds a new live view gets to load in the browser before it is sent new text directly; what
-arrives meanwhile is batched, so nothing is sent to a view that is not listening yet."""
+"""Seconds a new live view gets to load in the browser before it is sent new text; what arrives meanwhile
+is held, so nothing is sent to a view that is not listening yet."""
+SEND_EVERY = 0.05
+"""Seconds new text waits for more before it is sent, joined per rank: a flood of output then travels as a
+few large messages a second, not thousands of small ones (past 1000 queued, iopub drops messages, the
+cell's end among them, and a front-end waits for it forever)."""
 
 
 class RankAreas:
@@ -28,6 +32,10 @@ class RankAreas:
         self._lock = threading.Lock()
         self._created = 0.0
         self._held: list[dict] = []
+        self._parts: dict[int, tuple[int, list[str]]] = {}
+        """Rank -> where its last held item is in `_held` when that is text, and the text in pieces (joined
+        when sent)."""
+        self._timer: threading.Timer | None = None
         self.finished = False
 
     def show_now(self) -> None:
@@ -50,39 +58,50 @@ class RankAreas:
             item = self.log.add(ev.rank, ev.label, ev.stream, ev.text, ev.data)
             if self.finished or self._ensure_widget([item]):
                 return
-            if time.monotonic() - self._created < STARTUP_GRACE:
-                if not self._held:
-                    timer = threading.Timer(STARTUP_GRACE, self._release)
-                    timer.daemon = True
-                    timer.start()
-                self._held.append(item)
-                return
-            self._release_locked()
-            self._widget.append([item])
+            self._hold(item)
+            if self._timer is None:
+                wait = max(SEND_EVERY, STARTUP_GRACE - (time.monotonic() - self._created))
+                self._timer = threading.Timer(wait, self._release)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _hold(self, item: dict) -> None:
+        """Hold `item` until the next send; text joins the rank's last held item when that is text of
+        the same stream (each rank's area shows its own text in order; the order across ranks is no
+        matter)."""
+        last = self._held[self._parts[item["r"]][0]] if item["r"] in self._parts else None
+        if "t" in item and last is not None and last["s"] == item["s"]:
+            self._parts[item["r"]][1].append(item["t"])
+            return
+        self._held.append(item)
+        if "t" in item:
+            self._parts[item["r"]] = (len(self._held) - 1, [item["t"]])
+        else:
+            self._parts.pop(item["r"], None)
 
     def _release(self) -> None:
         with self._lock:
+            self._timer = None
             self._release_locked()
 
     def _release_locked(self) -> None:
+        for i, parts in self._parts.values():
+            self._held[i]["t"] = "".join(parts)
         if self._held and self._widget is not None:
             self._widget.append(self._held)
-        self._held = []
+        self._held, self._parts = [], {}
 
     def finish(self, replace: bool = True) -> None:
         """Swap the live view for static HTML (saved with the notebook; renders anywhere)."""
         with self._lock:
-            if not replace:
-                self._release_locked()
+            self._release_locked()  # each byte goes live once; the static view adds only each rank's last lines
             self.finished = True
-            self._held = []
             widget, self._widget = self._widget, None
-        if widget is None:
-            return
-        if replace:
+            bundle = self.log.bundle() if widget is not None and replace else None
+        if bundle is not None:
             from IPython.display import update_display
 
-            update_display(self.log.bundle(), display_id=self._display_id, raw=True)
+            update_display(bundle, display_id=self._display_id, raw=True)
             widget.close()
 
 

@@ -57,3 +57,25 @@ def test_the_live_view_gets_displays_as_html_and_stream_text_as_is():
     item = log.add(2, "gpu=2", "display", data={"text/markdown": "# Title"})
     assert item == {"r": 2, "l": "gpu=2", "s": "display", "h": item["h"]} and "<h1>Title</h1>" in item["h"]
     assert log.add(2, "gpu=2", "stdout", "\rtext") == {"r": 2, "l": "gpu=2", "s": "stdout", "t": "\rtext"}
+
+
+def test_a_flood_keeps_each_ranks_last_lines_in_the_static_view_and_says_how_many_came_before():
+    log = RankLog(tail_chars=100, tail_displays=1)
+    log.add(0, "gpu=0", "stdout", "\x1b[31m")  # red from here on: the kept lines stay red
+    for i in range(1000):
+        log.add(0, "gpu=0", "stdout", f"line {i:04d}\n")
+    log.add(0, "gpu=0", "display", data={"text/plain": "fig 1"})
+    log.add(0, "gpu=0", "display", data={"text/plain": "fig 2"})
+    log.add(1, "gpu=1", "stderr", "".join(f"\r{p:3d}%" for p in range(101)))  # a progress bar, no newline
+    assert sum(len(c) for _, c in log.ranks[0][1] if isinstance(c, str)) <= 200  # memory stays bounded too
+    assert log.text().splitlines() == [
+        "[gpu=0] … 990 lines (9.7 KiB) not shown: a finished cell keeps each rank's last 100 B of text …",
+        *[f"[gpu=0] line {i:04d}" for i in range(990, 1000)],
+        "[gpu=0] … 1 display not shown: a finished cell keeps each rank's last 1 display …",
+        "[gpu=0] fig 2",
+        "[gpu=1] … 405 B of text not shown: a finished cell keeps each rank's last 100 B of text …",
+        "[gpu=1] 100%",
+    ]
+    html = log.html()
+    assert '<span class="ansi-red-fg">line 0999</span>' in html and "line 0989" not in html
+    assert html.count('class="jp-RenderedText monarch-skipped"') == 3 and "fig 1" not in html

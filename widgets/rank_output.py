@@ -1,12 +1,13 @@
 """Per-rank output of a `%%mesh` cell: one area per rank that grows as the workers write.
 
-Live, only the new text travels (one small comm message per batch); the whole text is sent once,
-as static HTML, when the cell ends.
+Live, only the new text travels (one small comm message per batch); when the cell ends, static HTML
+replaces the live view: each rank's last lines (`TAIL_CHARS`), with a line saying how many came before.
 """
 
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 
 import traitlets
 
@@ -147,12 +148,53 @@ export default {
 """
 
 
-class RankLog:
-    """Everything the ranks of one cell wrote, in order per rank: text and rich displays."""
+TAIL_CHARS = 64 * 1024
+"""Stream text of each rank that the static view keeps: its last lines (the live view showed all of it).
+A flood of output then crosses iopub once, live, plus this bounded tail when the cell ends."""
+TAIL_DISPLAYS = 20
+"""Rich displays of each rank that the static view keeps: its last ones."""
+SKIPPED = "skipped"
+"""A chunk standing for what the static view leaves out at its place: ``(SKIPPED, Skipped)``."""
 
-    def __init__(self) -> None:
-        self.ranks: dict[int, tuple[str, list[tuple[str, str | dict]]]] = {}
-        """Rank -> (its label, its chunks in order: ``(stream, text)`` or ``("display", mime bundle)``)."""
+
+@dataclass
+class Skipped:
+    lines: int = 0
+    chars: int = 0
+    displays: int = 0
+
+    def note(self, tail: tuple[int, int]) -> str:
+        """The line the static view shows in place of what it left out; `tail` as `RankLog.tail`."""
+        parts, kept = [], []
+        if self.chars:
+            size = _size(self.chars)
+            lines = f"{self.lines:,} line{'s' * (self.lines != 1)}"
+            parts.append(f"{lines} ({size})" if self.lines else f"{size} of text")
+            kept.append(f"{_size(tail[0])} of text")
+        if self.displays:
+            parts.append(f"{self.displays:,} display{'s' * (self.displays != 1)}")
+            kept.append(f"{tail[1]} display{'s' * (tail[1] != 1)}")
+        return f"… {' and '.join(parts)} not shown: a finished cell keeps each rank's last {' and '.join(kept)} …"
+
+
+def _size(chars: int) -> str:
+    if chars < 1024:
+        return f"{chars} B"
+    kib = chars / 1024
+    return (f"{kib:.1f} KiB" if kib < 1024 else f"{kib / 1024:.1f} MiB").replace(".0 ", " ")
+
+
+class RankLog:
+    """What the ranks of one cell wrote, in order per rank: text and rich displays; of a flood, the last
+    `TAIL_CHARS` of text and `TAIL_DISPLAYS` displays of each rank, what came before counted, not kept."""
+
+    def __init__(self, tail_chars: int = TAIL_CHARS, tail_displays: int = TAIL_DISPLAYS) -> None:
+        self.ranks: dict[int, tuple[str, list[tuple[str, str | dict | Skipped]]]] = {}
+        """Rank -> (its label, its chunks in order: ``(stream, text)``, ``("display", mime bundle)`` or
+        ``(SKIPPED, Skipped)``)."""
+        self.tail = (tail_chars, tail_displays)
+        self._kept: dict[int, list[int]] = {}
+        """Rank -> [characters of text, displays] in its chunks."""
 
     def add(self, rank: int, label: str, stream: str, text: str = "", data: dict | None = None) -> dict:
         """Record one chunk; returns it in the form the live view takes (a display as HTML). An ``"error"``
@@ -161,7 +203,16 @@ class RankLog:
         if stream == "error":
             return {"r": rank, "l": label, "s": "stderr", "t": text}
         chunk = (data or {}) if stream == "display" else text
-        self.ranks.setdefault(rank, (label, []))[1].append((stream, chunk))
+        chunks = self.ranks.setdefault(rank, (label, []))[1]
+        chunks.append((stream, chunk))
+        kept = self._kept.setdefault(rank, [0, 0])
+        if stream == "display":
+            kept[1] += 1
+        else:
+            kept[0] += len(text)
+        if kept[0] > 2 * self.tail[0] or kept[1] > 2 * self.tail[1]:  # now and then, so memory stays bounded
+            tail, *self._kept[rank] = _tail(chunks, *self.tail)
+            self.ranks[rank] = (label, tail)
         if stream == "display":
             return {"r": rank, "l": label, "s": stream, "h": render.bundle_html(chunk, render.MATHML)}
         return {"r": rank, "l": label, "s": stream, "t": text}
@@ -169,16 +220,23 @@ class RankLog:
     def __bool__(self) -> bool:
         return bool(self.ranks)
 
+    def _shown(self) -> list[tuple[str, list[tuple[str, str | dict | Skipped]]]]:
+        """(label, runs) of each rank, in rank order, as the static view shows them."""
+        return [(label, _runs(_tail(list(chunks), *self.tail)[0])) for _, (label, chunks) in sorted(self.ranks.items())]
+
     def html(self) -> str:
         """The static view: math as TeX, typeset by the MathJax of JupyterLab or nbconvert."""
         out = ['<div class="monarch-ranks">']
-        for rank in sorted(self.ranks):
-            label, chunks = self.ranks[rank]
+        for label, runs in self._shown():
             out.append(f'<div class="monarch-rank" data-label="{esc(label)}">')
             out.append(f'<div class="monarch-rank-label">[{esc(label)}]</div><div class="monarch-rank-body">')
-            for stream, run in _runs(chunks):
+            for stream, run in runs:
                 if stream == "display":
                     out.append(render.bundle_html(run, render.TEX))
+                elif stream == SKIPPED:
+                    out.append(
+                        f'<div class="jp-RenderedText monarch-skipped"><pre>{esc(run.note(self.tail))}</pre></div>'
+                    )
                 else:
                     out.append(render.stream_html(stream, run))
             out.append("</div></div>")
@@ -187,11 +245,14 @@ class RankLog:
 
     def text(self) -> str:
         lines = []
-        for rank in sorted(self.ranks):
-            label, chunks = self.ranks[rank]
+        for label, runs in self._shown():
             parts = [
-                str(run.get("text/plain", "")) + "\n" if stream == "display" else render.plain(run)
-                for stream, run in _runs(chunks)
+                str(run.get("text/plain", "")) + "\n"
+                if stream == "display"
+                else run.note(self.tail) + "\n"
+                if stream == SKIPPED
+                else render.plain(run)
+                for stream, run in runs
             ]
             lines += [f"[{label}] {line}" for line in "".join(parts).splitlines()]
         return "\n".join(lines)
@@ -201,11 +262,72 @@ class RankLog:
         return {"text/plain": self.text(), "text/html": page(self.html())}
 
 
-def _runs(chunks: list[tuple[str, str | dict]]) -> list[tuple[str, str | dict]]:
+def _tail(chunks: list[tuple[str, str | dict | Skipped]], chars: int, displays: int) -> tuple[list, int, int]:
+    """The last `chars` characters of text (from a line's start where it can) and `displays` displays of
+    `chunks`, what comes before them counted in `Skipped` chunks; and the characters and displays kept."""
+    cuts = [0] * len(chunks)
+    """Per chunk, where what is kept starts (a display: 1 when it is left out)."""
+    left = [chars, displays]
+    for i in range(len(chunks) - 1, -1, -1):
+        stream, chunk = chunks[i]
+        if stream == SKIPPED:
+            continue
+        if stream == "display":
+            cuts[i] = 0 if left[1] else 1
+            left[1] = max(left[1] - 1, 0)
+        elif len(chunk) > left[0]:
+            start = len(chunk) - left[0]
+            nl, cr = chunk.find("\n", start - 1), chunk.find("\r", start)
+            cuts[i] = nl + 1 if nl >= 0 else cr if cr >= 0 else start  # a line's start, or a "\r" redraw's
+            left[0] = 0
+        else:
+            left[0] -= len(chunk)
+    if not any(cuts):
+        return chunks, chars - left[0], displays - left[1]
+    out: list[tuple[str, str | dict | Skipped]] = []
+    gap = Skipped()
+    """What is left out since the last chunk kept."""
+    run, state, cut_in_run = None, render.AnsiState(), False
+    """The stream of the run of text a chunk belongs to, the colours in force where its text was cut, and
+    whether it was (the first text kept after the cut then starts with an escape to those colours)."""
+    for (stream, chunk), cut in zip(chunks, cuts, strict=True):
+        text = stream not in ("display", SKIPPED)
+        if not text or stream != run:
+            run, state, cut_in_run = stream if text else None, render.AnsiState(), False
+        if stream == SKIPPED:
+            gap.lines, gap.chars, gap.displays = (
+                gap.lines + chunk.lines,
+                gap.chars + chunk.chars,
+                gap.displays + chunk.displays,
+            )
+            continue
+        if stream == "display" and cut:
+            gap.displays += 1
+            continue
+        if text:
+            if cut:
+                dropped, chunk = chunk[:cut], chunk[cut:]
+                gap.lines += dropped.count("\n")
+                gap.chars += len(dropped) - state.scan(dropped)  # (text: colour escapes left out)
+                cut_in_run = True
+            if not chunk:
+                continue
+            if cut_in_run:
+                chunk, cut_in_run = state.sgr() + chunk, False
+        if gap != Skipped():
+            out.append((SKIPPED, gap))
+            gap = Skipped()
+        out.append((stream, chunk))
+    if gap != Skipped():
+        out.append((SKIPPED, gap))
+    return out, chars - left[0], displays - left[1]
+
+
+def _runs(chunks: list[tuple[str, str | dict | Skipped]]) -> list[tuple[str, str | dict | Skipped]]:
     """Consecutive text of one stream joined (a carriage return may act on text of an earlier chunk)."""
-    out: list[tuple[str, str | dict]] = []
+    out: list[tuple[str, str | dict | Skipped]] = []
     for stream, chunk in chunks:
-        if out and stream != "display" and out[-1][0] == stream:
+        if out and stream not in ("display", SKIPPED) and out[-1][0] == stream:
             out[-1] = (stream, out[-1][1] + chunk)
         else:
             out.append((stream, chunk))

@@ -79,6 +79,24 @@ class AnsiState:
             elif n == 49:
                 self.bg = None
 
+    def scan(self, text: str) -> int:
+        """Apply the colour escapes of `text`, in order (the state in force where it ends); returns the
+        characters they take."""
+        taken = 0
+        for m in _SGR.finditer(text):
+            self.apply(m.group(1))
+            taken += m.end() - m.start()
+        return taken
+
+    def sgr(self) -> str:
+        """The escape that takes a fresh state to this one ("" when nothing is set)."""
+        codes = ["1"] * self.bold + ["4"] * self.underline
+        for colour, base in ((self.fg, 30), (self.bg, 40)):
+            if colour:
+                name, intense = colour.removesuffix("-intense"), colour.endswith("-intense")
+                codes.append(str(base + 60 * intense + COLOURS.index(name)))
+        return f"\x1b[{';'.join(codes)}m" if codes else ""
+
     def classes(self) -> str:
         out = []
         if self.fg:

@@ -28,6 +28,7 @@ CSS = (
 .monarch-rank-body .jp-RenderedText{padding:0}
 .monarch-rank-body .monarch-stderr{background:var(--jp-rendermime-error-background,#fdd)}
 .monarch-rank-body .monarch-display{padding:2px 0}
+.monarch-rank-body .monarch-skipped{color:var(--jp-content-font-color2,#777);font-style:italic}
 .monarch-ranks .ansi-bold{font-weight:bold}.monarch-ranks .ansi-underline{text-decoration:underline}
 .monarch-table{border-collapse:collapse;font-size:12px;color:var(--jp-content-font-color1,inherit)}
 .monarch-table th,.monarch-table td{padding:2px 8px;text-align:left;border-bottom:1px solid var(--jp-border-color2,#ddd);font-family:var(--jp-code-font-family,monospace)}
