@@ -8,6 +8,7 @@ machine; Slurm host agents and the simulator plug in here.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -19,7 +20,11 @@ LostCallback = Callable[[int, int, str], None]
 
 
 class Replies(Protocol):
-    """Where workers' messages arrive. One thread at a time receives (the controller's receive lock)."""
+    """Where workers' messages arrive. One thread at a time receives, holding `recv_lock`."""
+
+    recv_lock: threading.RLock
+    """The controller's receive lock: whoever receives holds it, and so does anything else that touches
+    the socket (connecting it to a host agent, closing it)."""
 
     def recv(self, block: bool) -> Any:
         """An `Envelope` (checked and unpacked), `POKE`, `DROPPED`, or None (timed out / nothing)."""

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +41,9 @@ class StoreServer:
     def __init__(self, transport: ControllerTransport) -> None:
         self.transport = transport
         self.data: dict[str, bytes] = {}
+        """Workers' keys (under ``monarch/<mesh id>/`` and ``monarch/link/``), dropped with their mesh."""
+        self.marks: dict[str, bytes] = {}
+        """The controller's own keys (`set`: that a mesh is gone), a few bytes per mesh, kept apart."""
         self.waiting: list[_Waiter] = []
         self.lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
@@ -55,19 +60,55 @@ class StoreServer:
             P.StoreDelete: self._delete,
             P.StoreNumKeys: self._num_keys,
         }
+        self._chores: list[tuple[Callable[[], None], threading.Event]] = []
+        """Work on the store's socket asked for by other threads (`run`), done by this one."""
         self._thread = threading.Thread(target=self._loop, name="monarch-store", daemon=True)
         self._thread.start()
+        transport.store_owner = self.run
+
+    def run(self, chore: Callable[[], None], timeout: float = 10.0) -> None:
+        """Run `chore` (say, connecting the store's socket to a host agent) on the store's thread, the only
+        one that may touch its socket, and wait until it is done."""
+        if threading.current_thread() is self._thread or not self._thread.is_alive():
+            chore()  # (no other thread serves the socket)
+            return
+        done = threading.Event()
+        with self.lock:
+            self._chores.append((chore, done))
+        self._poke()
+        if not done.wait(timeout):
+            raise TimeoutError(f"the store's thread did not take its socket's work within {timeout:.0f} s")
 
     def set(self, key: str, value: bytes) -> None:
         """Set a key from the controller itself (e.g. that a mesh is gone); wakes its waiters."""
         with self.lock:
-            self.data[key] = value
+            self.marks[key] = value
         self._poke()
+
+    def forget_mesh(self, mesh_id: int) -> int:
+        """Drop a stopped mesh's keys (its groups' rendezvous, its moves' links) and requests, so that a
+        controller that makes meshes for days keeps a store of the running ones only; returns how many."""
+        prefix = f"monarch/{mesh_id}/"
+        with self.lock:
+            gone = [k for k in self.data if k.startswith(prefix) or _link_of(k, mesh_id)]
+            for k in gone:
+                del self.data[k]
+            self.waiting = [w for w in self.waiting if w.mesh_id != mesh_id]
+        return len(gone)
+
+    def _has(self, key: str) -> bool:
+        return key in self.data or key in self.marks
+
+    def _value(self, key: str) -> bytes:
+        value = self.data.get(key)
+        return self.marks[key] if value is None else value
 
     def close(self) -> None:
         self._closed = True
         self._poke()
         self._thread.join(2)
+        self.transport.store_owner = None
+        self._do_chores()  # (any asked for meanwhile: nobody else will)
         self.transport.close_store()
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -95,6 +136,7 @@ class StoreServer:
                 return
             if self._closed:
                 return
+            self._do_chores()
             while True:
                 got = self.transport.store_recv()
                 if got is None:
@@ -112,6 +154,17 @@ class StoreServer:
                     self._answer(ident, env.mesh_id, env.seq, *answer)
             self._serve_waiters()
 
+    def _do_chores(self) -> None:
+        with self.lock:
+            chores, self._chores = self._chores, []
+        for chore, done in chores:
+            try:
+                chore()
+            except Exception as e:  # a bug of ours: say so, keep serving
+                self.transport.log("store socket work", f"{type(e).__name__}: {e}")
+            finally:
+                done.set()
+
     def _answer(self, ident: bytes, mesh_id: int, request: int, ok: bool, value: Any) -> None:
         self.transport.store_send(ident, mesh_id, P.StoreAnswer(request, ok, value))
 
@@ -121,10 +174,10 @@ class StoreServer:
         with self.lock:
             still = []
             for w in self.waiting:
-                if all(k in self.data for k in w.keys):
-                    done.append((w, True, self.data[w.get] if w.get is not None else None))
+                if all(self._has(k) for k in w.keys):
+                    done.append((w, True, self._value(w.get) if w.get is not None else None))
                 elif now >= w.deadline:
-                    missing = [k for k in w.keys if k not in self.data]
+                    missing = [k for k in w.keys if not self._has(k)]
                     done.append((w, False, f"timed out waiting for store keys {missing}"))
                 else:
                     still.append(w)
@@ -139,8 +192,8 @@ class StoreServer:
 
     def _get(self, ident, env):
         m = env.message
-        if m.key in self.data:
-            return True, self.data[m.key]
+        if self._has(m.key):
+            return True, self._value(m.key)
         self.waiting.append(_Waiter(ident, env.mesh_id, env.seq, (m.key,), time.monotonic() + m.timeout, m.key))
         return None
 
@@ -163,19 +216,28 @@ class StoreServer:
 
     def _wait(self, ident, env):
         m = env.message
-        if all(k in self.data for k in m.keys):
+        if all(self._has(k) for k in m.keys):
             return True, None
         self.waiting.append(_Waiter(ident, env.mesh_id, env.seq, tuple(m.keys), time.monotonic() + m.timeout, None))
         return None
 
     def _check(self, ident, env):
-        return True, all(k in self.data for k in env.message.keys)
+        return True, all(self._has(k) for k in env.message.keys)
 
     def _delete(self, ident, env):
         return True, self.data.pop(env.message.key, None) is not None
 
     def _num_keys(self, ident, env):
-        return True, len(self.data)
+        return True, len(self.data) + len(self.marks)
+
+
+_LINK = re.compile(r"monarch/link/(\d+)\.\d+>(\d+)\.\d+/")
+"""A move's link between two meshes (`worker/groups.py`): ``monarch/link/<mesh>.<rank>><mesh>.<rank>/``."""
+
+
+def _link_of(key: str, mesh_id: int) -> bool:
+    m = _LINK.match(key)
+    return m is not None and str(mesh_id) in m.groups()
 
 
 def _store_error(text: str) -> Exception:

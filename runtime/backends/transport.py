@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,6 +184,8 @@ class _Mesh:
     hello_seen: list[int] = field(default_factory=list)
     """The same for start-up messages, which come up the command socket: the two sockets' messages are numbered
     from one counter but may arrive in either order (output sent just after `Ready` can overtake it)."""
+    goodbyes: set[int] = field(default_factory=set)
+    """Ranks whose `Goodbye` arrived: all they sent before it has arrived too."""
 
 
 class PeerStalled(Exception):
@@ -324,9 +327,10 @@ def _client(sock: zmq.Socket, keys: WorkerKeys) -> None:
 class ControllerTransport:
     """The controller's sockets: commands down (XPUB), replies up (PULL), the store's (ROUTER).
 
-    Thread use: any thread sends (under a lock); one thread at a time receives replies (the
-    controller's receive lock); what comes up the command socket (subscriptions, start-up messages) is
-    read by the backend's monitor under the send lock; the store's socket belongs to the store's thread.
+    Thread use (a ZeroMQ socket used by two threads at once can abort the process): the command socket
+    is used under `send_lock` (any thread sends; the backend's monitor reads start-up messages under it);
+    the reply socket under `recv_lock` (held by the one thread that receives); the store's socket only
+    by the store's thread (`store_owner` runs anything else on it there).
     """
 
     def __init__(self, settings: Settings, directory: str) -> None:
@@ -356,12 +360,18 @@ class ControllerTransport:
         self._waker.connect(wake)
         self._waker_lock = threading.Lock()
         self.send_lock = threading.Lock()
+        self.recv_lock = threading.RLock()
+        """Held by whoever uses the reply socket (the controller's receive lock: see `Replies`)."""
+        self.store_owner: Callable[[Callable[[], None]], None] | None = None
+        """Runs a function on the thread that owns the store's socket, and waits for it (set by the store)."""
         self._meshes: dict[int, _Mesh] = {}
         self._topics: dict[bytes, tuple[int, int]] = {}
         """Topic -> (mesh id, rank), rank -1 for a mesh's own topic."""
         self._store_seen: dict[tuple, tuple[int, int]] = {}
         """Store connection -> (its mesh, the sequence number of its last request)."""
         self._rcvtimeo = -1
+        self.goodbyes = threading.Condition()
+        """Notified when a worker's `Goodbye` arrives (`await_goodbyes`)."""
         self.log = RateLimitedLog("monarch")
         self.closed = False
 
@@ -377,21 +387,41 @@ class ControllerTransport:
     # -- host agents ------------------------------------------------------------------------------
     def connect_agent(self, endpoints: dict[str, str], curve: AgentCurve) -> None:
         """Connect the command, reply and store sockets to a host agent's (which relays them to its host's
-        workers), as a CURVE client of the job's key pair; ZeroMQ heartbeats watch each connection."""
-        with self.send_lock:
-            for sock, name in ((self.cmd, "cmd"), (self.reply, "reply"), (self.store, "store")):
-                # (options are taken at connect or bind time: the binds made before keep serving CURVE)
-                curve.client(sock)
-                heartbeat(sock)
-                sock.connect(endpoints[name])
+        workers), as a CURVE client of the job's key pair; ZeroMQ heartbeats watch each connection. Each
+        socket is touched under its owner's lock or on its owner's thread, never while another thread uses it."""
+
+        def connect(sock: zmq.Socket, name: str) -> None:
+            # (options are taken at connect or bind time: the binds made before keep serving CURVE)
+            curve.client(sock)
+            heartbeat(sock)
+            sock.connect(endpoints[name])
+
+        self._on_each_socket(connect)
 
     def disconnect_agent(self, endpoints: dict[str, str]) -> None:
+        def disconnect(sock: zmq.Socket, name: str) -> None:
+            try:
+                sock.disconnect(endpoints[name])
+            except zmq.ZMQError:
+                pass  # never connected, or closed
+
+        self._on_each_socket(disconnect)
+
+    def _on_each_socket(self, do: Callable[[zmq.Socket, str], None]) -> None:
         with self.send_lock:
-            for sock, name in ((self.cmd, "cmd"), (self.reply, "reply"), (self.store, "store")):
-                try:
-                    sock.disconnect(endpoints[name])
-                except zmq.ZMQError:
-                    pass
+            if self.closed:
+                return
+            do(self.cmd, "cmd")
+        with self.recv_lock:
+            if self.closed:
+                return
+            do(self.reply, "reply")
+        # Not under send_lock: the store's thread takes it to answer (it would wait for us, we for it).
+        owner = self.store_owner
+        if owner is None:
+            do(self.store, "store")
+        else:
+            owner(lambda: do(self.store, "store"))
 
     # -- meshes ------------------------------------------------------------------------------------
     def add_mesh(self, mesh_id: int, n: int) -> list[WorkerKeys]:
@@ -412,6 +442,22 @@ class ControllerTransport:
         server = self.curve.public if self.curve is not None else None
         addrs = (self.cmd_addr, self.reply_addr, self.store_addr)
         return [WorkerKeys(mesh_id, r, key, topic, rank_topics[r], *addrs, server, public, secret) for r in range(n)]
+
+    def await_goodbyes(self, mesh_id: int, ranks: list[int], timeout: float) -> list[int]:
+        """Wait up to `timeout` seconds until each of `ranks` (workers that exited when asked) said `Goodbye`,
+        that is, until everything they sent has been received (by whichever thread receives); returns the
+        ranks that did not. Call it before `remove_mesh`, which drops whatever comes later."""
+        mesh = self._meshes.get(mesh_id)
+        if mesh is None:
+            return list(ranks)
+        deadline = time.monotonic() + timeout
+        with self.goodbyes:
+            while True:
+                missing = [r for r in ranks if r not in mesh.goodbyes]
+                left = deadline - time.monotonic()
+                if not missing or left <= 0:
+                    return missing
+                self.goodbyes.wait(min(left, 0.05))
 
     def remove_mesh(self, mesh_id: int) -> None:
         """Forget a mesh: its messages are dropped from now on and its CURVE key no longer admitted."""
@@ -528,6 +574,11 @@ class ControllerTransport:
                 return DROPPED
             seen[env.rank] = env.seq
             env.message = protocol.unpack(env.message)
+            if type(env.message) is protocol.Goodbye:
+                with self.goodbyes:
+                    mesh.goodbyes.add(env.rank)
+                    self.goodbyes.notify_all()
+                return DROPPED  # (nothing for the receiver to do)
             return env
         except wire.UnknownSender as e:
             self.log("a message", str(e))
@@ -639,8 +690,9 @@ class ControllerTransport:
             self.closed = True
         with self._waker_lock:
             self._waker.close(0)
-        for s in (self.cmd, self.reply):
-            s.close(0)
+        self.cmd.close(0)
+        with self.recv_lock:
+            self.reply.close(0)
 
     def close_store(self) -> None:
         self.store.close(0)

@@ -38,7 +38,7 @@ class Receiver:
         self.controller = controller
         self.replies = controller.backend.replies
         self.spin = controller.settings.spin
-        self._rx_lock = threading.RLock()  # held by the one thread that receives (an RLock: see wait())
+        self._rx_lock = self.replies.recv_lock  # held by the one thread that receives (an RLock: see wait())
         self._rx_count_lock = threading.Lock()
         self._rx_waiters = 0  # callers receiving for themselves in wait()
         self._main_receiving = False
@@ -156,7 +156,8 @@ class Receiver:
     def _io_loop(self) -> None:
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
-        reply_fd = self.replies.reply_fd
+        with self._rx_lock:
+            reply_fd = self.replies.reply_fd
         watching = False
         while not self._closed:
             try:

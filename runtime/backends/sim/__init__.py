@@ -39,6 +39,9 @@ class _NoReplies:
 
     reply_fd = -1
 
+    def __init__(self) -> None:
+        self.recv_lock = threading.RLock()
+
     def recv(self, block: bool) -> Any:
         return None
 
