@@ -604,3 +604,9 @@ class Stacks:
     """The request's number (in the control request's call id field)."""
     threads: list
     """(thread name, [(where, source line), ...] outermost first) per thread."""
+
+
+@message
+class Goodbye:
+    """Worker -> controller, its last message on the reply connection when it exits as asked: one
+    connection keeps its order, so once this has arrived, so has everything the worker printed."""

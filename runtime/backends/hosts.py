@@ -28,7 +28,7 @@ import zmq.utils.monitor
 from monarch.runtime import groups, protocol, slurm, wire
 from monarch.runtime.backends.base import Backend, LostCallback
 from monarch.runtime.backends.jobfiles import AgentRecord, JobDir, Manifest
-from monarch.runtime.backends.local import LocalBackend, await_ready, take_startup
+from monarch.runtime.backends.local import LocalBackend, await_ready, drain_output, take_startup
 from monarch.runtime.backends.transport import HEARTBEAT_TIMEOUT, LinkEnd, PeerStalled, RateLimitedLog, heartbeat
 from monarch.runtime.shape import Shape
 
@@ -153,6 +153,7 @@ class HostsBackend(Backend):
                 self.transport.connect_agent(host.record.endpoints, self.secret.curve)
         except BaseException:
             self._close_links()
+            self._close_wake()
             raise
         self._thread = threading.Thread(target=self._serve, name=f"monarch-job-{self.job.name}", daemon=True)
         self._thread.start()
@@ -427,11 +428,13 @@ class HostsBackend(Backend):
                 if left <= 0:
                     break
                 self.changed.wait(min(left, 0.1))
-        self.meshes.pop(mesh_id, None)
-        self.transport.remove_mesh(mesh_id)
         codes: dict[int, int | None] = {}
         for c in mesh.stopped.values():
             codes.update({int(r): v for r, v in c.items()})
+        drain_output(self.transport, mesh_id, codes)
+        self.meshes.pop(mesh_id, None)
+        self.transport.remove_mesh(mesh_id)
+        self.local.store.forget_mesh(mesh_id)
         return codes
 
     def close(self) -> None:
@@ -443,6 +446,14 @@ class HostsBackend(Backend):
         if self._thread is not None:
             self._thread.join(2)
         self._close_links()
+        if self._thread is None or not self._thread.is_alive():
+            self._close_wake()
+
+    def _close_wake(self) -> None:
+        """The wake-up pipe: two descriptors per attach, left open by every detach before issue 30."""
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _close_links(self) -> None:
         for host in self.hosts:

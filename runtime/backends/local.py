@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from monarch.runtime import groups, protocol
+from monarch.runtime import groups, log, protocol
 from monarch.runtime.backends.base import Backend, LostCallback
 from monarch.runtime.backends.procs import WorkerProcs, clean_stale_dirs, fork_server, fork_server_pid, private_dir
 from monarch.runtime.backends.procs import proc_state as _proc_state
@@ -150,12 +150,14 @@ class LocalBackend(Backend):
         if graceful:
             self.send(mesh_id, None, protocol.Exit())
         codes = self.procs.wait_exit(mesh_id, self.settings.exit_grace if graceful else 0)
+        drain_output(self.transport, mesh_id, codes)
         self._forget(mesh_id)
         return codes
 
     def _forget(self, mesh_id: int) -> None:
         self.meshes.pop(mesh_id, None)
         self.transport.remove_mesh(mesh_id)
+        self.store.forget_mesh(mesh_id)
 
     def close(self) -> None:
         self.procs.close()
@@ -163,6 +165,21 @@ class LocalBackend(Backend):
         self.transport.close()
         self.transport.terminate()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_log = log.get("backend")
+GOODBYE_WAIT = 5.0
+"""Seconds to wait, after a worker exited when asked, for its last messages to be received."""
+
+
+def drain_output(transport: ControllerTransport, mesh_id: int, codes: dict[int, int | None]) -> None:
+    """Before a mesh is forgotten (its messages dropped from then on), receive everything its workers that
+    exited when asked (status 0) sent, up to their `Goodbye`: the output a worker prints as it exits (its
+    last log lines) is never lost."""
+    clean = [r for r, code in codes.items() if code == 0]
+    missing = transport.await_goodbyes(mesh_id, clean, GOODBYE_WAIT)
+    if missing:
+        _log.info("mesh %d: ranks %s exited without their last output arriving", mesh_id, missing)
 
 
 def take_startup(mesh: Any, env: Any) -> None:

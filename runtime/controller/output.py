@@ -30,14 +30,16 @@ class LineLabeller:
     default sink, and the notebook's arrival-order view)."""
 
     def __init__(self) -> None:
-        self.at_line_start: dict[tuple[int, int, str], bool] = {}
+        self.mid_line: set[tuple[int, int, str]] = set()
+        """(mesh id, rank, stream) of each line half written (only those: a long-lived controller makes
+        many meshes)."""
 
     def break_line(self) -> None:
         """End any half-written line (before a prompt), so the prompt starts on its own line."""
-        if not all(self.at_line_start.values()) and sys.stdout is not None:
+        if self.mid_line and sys.stdout is not None:
             sys.stdout.write("\n")
             sys.stdout.flush()
-            self.at_line_start = dict.fromkeys(self.at_line_start, True)
+            self.mid_line.clear()
 
     def __call__(self, ev: OutputEvent) -> None:
         out = sys.stderr if ev.stream in ("stderr", "error") else sys.stdout
@@ -49,10 +51,13 @@ class LineLabeller:
         key = (ev.mesh_id, ev.rank, ev.stream)
         prefix = f"[{ev.label}] "
         parts = []
-        start = self.at_line_start.get(key, True)
+        start = key not in self.mid_line
         for line in ev.text.splitlines(keepends=True):
             parts.append(prefix + line if start else line)
             start = line.endswith("\n")
-        self.at_line_start[key] = start
+        if start:
+            self.mid_line.discard(key)
+        else:
+            self.mid_line.add(key)
         out.write("".join(parts))
         out.flush()

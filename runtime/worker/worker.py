@@ -148,7 +148,7 @@ class Worker:
             except Exception:  # a bug of ours: report it, keep serving
                 traceback.print_exc()
         _log.info("exiting, as the controller asked")
-        self._close()
+        self._close(goodbye=True)
 
     def _make_groups(self, env: wire.Envelope) -> None:
         groups.current.create(env.message.gid, env.message.partition)
@@ -197,10 +197,13 @@ class Worker:
         self.output.flush()
         self.send(protocol.Display(self.call_id, data, metadata))
 
-    def _close(self) -> None:
+    def _close(self, goodbye: bool = False) -> None:
         self.output.flush()
         if groups.current is not None:
             groups.current.destroy()
+        if goodbye:  # after all our output: the controller stops reading us when this arrives
+            self.output.flush()
+            self.transport.send(protocol.Goodbye())
         self.transport.close()
 
     # -- live functions ----------------------------------------------------------------------------
