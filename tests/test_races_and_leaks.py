@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -206,3 +207,36 @@ def test_the_store_drops_a_mesh_keys_when_it_stops():
         b.exit()
         assert store.data == before, sorted(set(store.data) - set(before))
         assert all(f"monarch/gone/{i}" in store.marks for i in ids)
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.timeout(120)
+def test_attaching_to_a_job_again_and_again_leaks_no_descriptors(tmp_path):
+    """Each detach from a job's agents left its wake-up pipe open (2 descriptors per attach on 5789c6b):
+    a notebook that spawns on a job cell after cell ran out of descriptors in the end."""
+    import monarch.notebook
+
+    from agent_job import AgentJob
+
+    job = AgentJob(tmp_path, "fds", hosts=2)
+    job.start()
+    try:
+
+        def attach_spawn_exit():
+            m = monarch.notebook.job("fds").spawn_procs({"gpu": 1})
+            assert list(_sum_over.on(m)(m.process_group("host"))) == [2.0, 2.0]
+            m.exit()  # the job's last mesh here: the controller detaches
+
+        attach_spawn_exit()  # (the first attach makes what every later one shares)
+        before = _fds()
+        for _ in range(12):
+            attach_spawn_exit()
+        deadline = time.monotonic() + 5  # ZeroMQ closes sockets in its own thread, a moment later
+        while _fds() > before + 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _fds() <= before + 6, f"{_fds() - before} descriptors more after 12 attaches"
+    finally:
+        assert job.stop() == []
