@@ -34,8 +34,16 @@ _DIM = re.compile(r"^([A-Za-z_]\w*)=(.+)$")
 _NAME = re.compile(r"^[A-Za-z_][\w.]*$")
 _USAGE = "usage: %%mesh [DIM=SIZE ... | MESH_VARIABLE] [--on DIM=INDEX|START:STOP ...] [--noblock] [--group rank|arrival] [--save NAME] [--replace] [--profile DIR]"
 _LINE_USAGE = (
-    "usage: %mesh [status | stacks | shutdown [--all] | restart | pull NAME ... | push NAME ...] [--mesh MESH_VARIABLE]"
+    "usage: %mesh [status | stacks | shutdown [--all] | restart | pull NAME ... | push NAME ... | help] "
+    "[--mesh MESH_VARIABLE]"
 )
+
+
+def _help() -> str:
+    """What `%mesh help` prints: both magics' docstrings."""
+    import inspect
+
+    return "\n\n".join(inspect.getdoc(f) for f in (MeshMagics.mesh_line, MeshMagics.mesh))
 
 
 @magics_class
@@ -52,6 +60,23 @@ class MeshMagics(Magics):
     # -- %%mesh ------------------------------------------------------------------------------------
     @cell_magic
     def mesh(self, line: str, cell: str | None = None) -> Any:
+        """Run this cell on every worker of a mesh: ``%%mesh gpu=4`` starts (or reuses) 4 workers.
+
+        %%mesh gpu=8                      start (or reuse) a local mesh of 8 workers; run the cell on each
+        %%mesh host=2 gpu=4               a two-dimensional mesh
+        %%mesh mesh                       run on a ProcMesh variable (any view of a spawned mesh)
+        %%mesh gpu=8 --on gpu=0:4         run on part of the mesh (an index or a start:stop range)
+        %%mesh gpu=8 --noblock            return at once; output keeps arriving in the cell
+        %%mesh gpu=8 --group arrival      output in arrival order, each line labelled (default: by rank)
+        %%mesh gpu=8 --save run           keep the run's handle in `run` (run.result(), run.mesh)
+        %%mesh --replace gpu=4            stop the running mesh (its namespaces are lost), start this shape
+        %%mesh gpu=4 --profile traces/    profile the cell: a trace per rank, a merged one, a summary
+
+        On each worker the cell runs in that worker's own namespace, kept between cells, with `rank`,
+        `coords`, `device` and `mesh_size` set; the workers already form a torch.distributed group. Output
+        appears live, one area per rank; the last expression comes back as a ValueMesh (one value per rank).
+        ``%mesh help`` lists the line commands (status, stacks, shutdown, restart, pull, push).
+        """
         if cell is None:
             return self._line(line)
         opts = _parse_cell_args(line)
@@ -158,6 +183,20 @@ class MeshMagics(Magics):
     # -- %mesh -------------------------------------------------------------------------------------
     @line_magic("mesh")
     def mesh_line(self, line: str) -> Any:
+        """Look at and steer the mesh the last ``%%mesh`` cell ran on.
+
+        %mesh                        the same as %mesh status
+        %mesh status                 a table of the workers: where each is, what it runs, its memory
+        %mesh stacks                 every thread's Python stack on the controller and each worker
+        %mesh shutdown [--all]       stop the mesh (--all: every mesh of this kernel)
+        %mesh restart                stop it and start the same shape again (its namespaces are lost)
+        %mesh pull NAME ...          bring NAME from every worker here, as a ValueMesh (one value per rank)
+        %mesh push NAME ...          send NAME from here to every worker's namespace
+        %mesh help                   this text and %%mesh's
+        --mesh MESH_VARIABLE         act on that mesh instead
+
+        ``%%mesh?`` shows how to run a cell on a mesh.
+        """
         return self._line(line)
 
     def _line(self, line: str) -> Any:
@@ -173,6 +212,9 @@ class MeshMagics(Magics):
             target = self._target({"name": args[i + 1], "sizes": None, "on": None})
             del args[i : i + 2]
         cmd, rest = (args[0], args[1:]) if args else ("status", [])
+        if cmd in ("help", "-h", "--help"):
+            print(_help())
+            return None
         view = target or self.current or self.implicit
         if cmd == "shutdown" and rest == ["--all"]:
             from monarch.runtime.controller import current

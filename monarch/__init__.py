@@ -1,7 +1,28 @@
-"""monarch: a notebook-first environment for distributed PyTorch.
+"""monarch: distributed PyTorch from a notebook or a script.
 
-This is the public face; everything is imported lazily, so `import monarch` stays cheap and does
-not import torch, zmq or IPython. The implementation lives in `monarch.runtime`.
+Start here::
+
+    import monarch, torch
+    from monarch.actor import this_host
+
+    mesh = this_host().spawn_procs({"gpu": 4})   # 4 worker processes, one per GPU (or the CPU)
+
+    @monarch.remote                               # a live function, shipped by value to the workers
+    def where():
+        return monarch.current_rank()
+
+    where.on(mesh)()                              # a ValueMesh: one value per worker
+
+    with mesh.activate():                         # the tensor engine: torch ops run on every worker
+        t = torch.ones(3) * 2
+    monarch.inspect(t, gpu=0)                     # rank 0's value, fetched
+
+In a notebook, ``%%mesh gpu=4`` above a cell runs it on 4 workers (``%mesh help`` lists the magics; the
+Monarch kernel loads them, ``%load_ext monarch`` does in any IPython). ``help(monarch.ProcMesh)`` tells
+what a mesh can do; ``monarch.Tensor`` is the tensor engine's handle (a torch.Tensor subclass).
+
+``import monarch`` is cheap: it imports neither torch, zmq nor IPython; each name here is imported on
+first use.
 """
 
 from __future__ import annotations
@@ -19,7 +40,6 @@ __all__ = [
     "ProcMesh",
     "current_rank",
     "current_size",
-    "Tensor",
     "inspect",
     "show",
     "fetch_shard",
@@ -29,6 +49,7 @@ __all__ = [
     "Simulator",
 ]
 
+# (`Tensor` is exported but not in __all__: help(monarch) would print torch.Tensor's 200 KB of methods)
 _EXPORTS = {
     "remote": "monarch.runtime.remote",
     "ValueMesh": "monarch.runtime.remote",

@@ -1,0 +1,51 @@
+"""Help where a newcomer looks for it: `%mesh?`, `%%mesh?`, `%mesh help`, `help(monarch)` (issue 27, item 5)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from kernel_client import monarch_kernel
+
+
+def _page(reply: dict) -> str:
+    """The text IPython's pager got (`%mesh?` answers with a page payload, not a stream)."""
+    return "".join(p["data"].get("text/plain", "") for p in reply.get("payload", []) if p.get("source") == "page")
+
+
+@pytest.mark.timeout(90)
+def test_the_magics_explain_themselves_in_the_kernel():
+    with monarch_kernel() as k:
+        line = k.run("%mesh?")
+        assert line.status == "ok", line.text()
+        page = _page(line.reply)
+        assert "<no docstring>" not in page
+        for command in ("%mesh status", "%mesh stacks", "%mesh shutdown", "%mesh restart", "%mesh pull", "%mesh help"):
+            assert command in page, page
+        cell = k.run("%%mesh?\n")
+        page = _page(cell.reply)
+        assert "Run this cell on every worker of a mesh" in page and "--noblock" in page, page
+        told = k.run("%mesh help")
+        assert told.status == "ok", told.text()
+        text = told.text()
+        assert "%mesh status" in text and "%%mesh gpu=8 --on gpu=0:4" in text, text
+        wrong = k.run("%mesh halp")
+        assert wrong.status == "error" and "unknown command 'halp'" in wrong.text() and "help" in wrong.text()
+
+
+def test_help_of_monarch_starts_with_how_to_begin_and_stays_short():
+    code = (
+        "import pydoc, monarch, torch\n"
+        "monarch.Tensor, monarch.ProcMesh, monarch.Simulator, monarch.inspect  # (loaded, as after some use)\n"
+        "print(pydoc.render_doc(monarch, renderer=pydoc.plaintext))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    head = text[: text.index("PACKAGE CONTENTS")] if "PACKAGE CONTENTS" in text else text[:2000]
+    assert "spawn_procs" in head and "%%mesh" in head, head
+    assert "Methods inherited from torch" not in text  # torch.Tensor's 200 KB of methods
+    assert len(text) < 60_000, f"help(monarch) is {len(text):,} characters"
