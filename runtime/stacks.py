@@ -69,10 +69,17 @@ def thread_stacks(skip: int | None = None) -> list[tuple[str, list[Frame]]]:
     return out
 
 
+def pyspy() -> str | None:
+    """py-spy beside this interpreter (a virtual environment's, which Jupyter starts without putting its bin/
+    on PATH), else on PATH; None where it is not installed."""
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return beside if os.access(beside, os.X_OK) else shutil.which("py-spy")
+
+
 def pyspy_threads(pid: int, timeout: float = 10.0) -> list[tuple[str, list[Frame]]] | None:
     """`thread_stacks` of process `pid` read from outside by py-spy (for a process whose own threads
     cannot answer: one holds the GIL in C code), or None where py-spy is not installed or cannot attach."""
-    exe = shutil.which("py-spy")
+    exe = pyspy()
     if exe is None:
         return None
     try:
@@ -122,7 +129,7 @@ class StackReport:
             if key is None:
                 lines.append(
                     f"-- {who}: no answer (its control thread could not run: a thread holds the GIL?"
-                    + (")" if shutil.which("py-spy") else "; pip install py-spy to see where it is)")
+                    + (")" if pyspy() else "; pip install py-spy to see where it is)")
                 )
                 continue
             lines.append(f"-- {who}:")
