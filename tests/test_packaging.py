@@ -61,10 +61,15 @@ def test_the_wheel_built_from_the_sdist_installs_imports_and_runs_a_mesh_cell(tm
     assert expected - in_wheel == set(), f"modules missing from the wheel: {sorted(expected - in_wheel)}"
     assert "share/jupyter/kernels/monarch/kernel.json" in "\n".join(files)
 
-    # A fresh environment, the wheel installed into it (its dependencies, torch included, from this one's).
+    # A fresh environment, the wheel installed into it; its dependencies (torch among them) are this one's,
+    # seen through a path file (only the directories: the editable install's hook in them does not run).
     venv = tmp_path / "venv"
-    _run(sys.executable, "-m", "venv", "--system-site-packages", str(venv))
+    _run(sys.executable, "-m", "venv", "--without-pip", str(venv))
     python = str(venv / "bin" / "python")
+    inner = _run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip()
+    outer = [p for p in sys.path if p.rstrip("/").endswith(("site-packages", "dist-packages")) and os.path.isdir(p)]
+    with open(os.path.join(inner, "outer-environment.pth"), "w") as f:
+        f.write("\n".join(outer) + "\n")
     _run(python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", wheel)
     check = (
         "import importlib, importlib.util, sys\n"
