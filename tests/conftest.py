@@ -13,6 +13,31 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def wait_for(check, timeout: float = 30.0, what: str = "it") -> None:
+    """Wait until `check()` is true (an observable state, instead of a fixed sleep); fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout:.0f} s")
+        time.sleep(0.01)
+
+
+def started(marker: str, n: int) -> bool:
+    """Whether `n` ranks wrote their `marker` file (``<marker>.<rank>``: see `say_started`)."""
+    import glob
+
+    return len(glob.glob(glob.escape(marker) + ".*")) >= n
+
+
+def say_started(marker: str) -> None:
+    """On a worker: write ``<marker>.<rank>``, so a test can wait for the call to have started there."""
+    import monarch
+
+    rank = monarch.current_rank()
+    with open(f"{marker}.{'-'.join(str(v) for v in rank.values())}", "w"):
+        pass
+
+
 def wait_gone(pids, timeout: float = 5.0) -> list[int]:
     """Wait until none of `pids` runs; return those still running after `timeout`."""
     deadline = time.monotonic() + timeout

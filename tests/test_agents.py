@@ -22,7 +22,7 @@ import monarch.notebook
 from monarch.actor import this_host
 
 from agent_job import AgentJob
-from conftest import pid_alive, wait_gone, worker_pids
+from conftest import pid_alive, say_started, started, wait_for, wait_gone, worker_pids
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -193,11 +193,13 @@ def test_a_host_whose_agent_dies_is_named_and_other_meshes_keep_working(tmp_path
         pids = worker_pids(mesh)
 
         @monarch.remote
-        def nap():
+        def nap(marker):
+            say_started(marker)
             time.sleep(60)
 
-        fut = nap.on(mesh).call_async()
-        time.sleep(0.5)
+        marker = str(tmp_path / "napping")
+        fut = nap.on(mesh).call_async(marker)
+        wait_for(lambda: started(marker, 4), what="the nap on every rank")
         os.kill(j.pids[1], signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(monarch.WorkerDiedError) as e:

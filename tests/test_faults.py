@@ -14,7 +14,7 @@ import monarch
 from monarch.actor import this_host
 from monarch.runtime.errors import RemoteError, WorkerDiedError
 
-from conftest import pid_alive, wait_gone, worker_pids
+from conftest import pid_alive, say_started, started, wait_for, wait_gone, worker_pids
 
 
 @monarch.remote
@@ -26,15 +26,22 @@ def sleep(seconds):
 
 
 @monarch.remote
+def nap_after_saying(marker, seconds):
+    say_started(marker)
+    time.sleep(seconds)
+
+
+@monarch.remote
 def rank():
     return monarch.current_rank()["gpu"]
 
 
-def test_worker_sigkill_mid_call_fails_the_call_and_mesh_respawns():
+def test_worker_sigkill_mid_call_fails_the_call_and_mesh_respawns(tmp_path):
     mesh = this_host().spawn_procs({"gpu": 4})
     pids = worker_pids(mesh)
-    fut = sleep.on(mesh).call_async(60)
-    time.sleep(0.3)
+    marker = str(tmp_path / "started")
+    fut = nap_after_saying.on(mesh).call_async(marker, 60)
+    wait_for(lambda: started(marker, 4), what="the call starting on every rank")
     os.kill(pids[2], signal.SIGKILL)
     with pytest.raises(WorkerDiedError) as e:  # (not a TimeoutError: the death is noticed, from its sentinel)
         fut.result(timeout=10)
@@ -121,22 +128,25 @@ def test_bad_spawn_sizes(sizes, message):
 
 CONTROLLER = textwrap.dedent(
     """
-    import sys, time
+    import glob, os, sys, time
     from monarch.actor import this_host
     import monarch
 
     mesh = this_host().spawn_procs({"gpu": 8})
     pids = [r["pid"] for r in mesh.to_table().rows]
+    marker = os.path.join(sys.argv[1], "busy")
 
     @monarch.remote
     def busy():
         import torch
+        open(f"{marker}.{monarch.current_rank()['gpu']}", "w").close()
         t = torch.randn(256, 256)
         while True:  # busy in C code (a matmul), not asleep
             t = torch.tanh(t @ t)
 
     fut = busy.on(mesh).call_async()
-    time.sleep(0.5)
+    while len(glob.glob(marker + ".*")) < 8:  # every worker is in the loop
+        time.sleep(0.01)
     print(" ".join(map(str, pids)), flush=True)
     time.sleep(60)
     """
@@ -168,7 +178,7 @@ def test_controller_sigkill_takes_every_busy_worker_down_and_the_next_start_clea
     how long they take; here, a generous bound only guards against a hang)."""
     script = tmp_path / "controller.py"
     script.write_text(CONTROLLER)
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         pids = [int(p) for p in line.split()]

@@ -17,7 +17,7 @@ import monarch
 import monarch.notebook
 from monarch.runtime import slurm
 
-from conftest import REPO, wait_gone, worker_pids
+from conftest import REPO, say_started, started, wait_for, wait_gone, worker_pids
 from kernel_client import monarch_kernel
 from slurm_cluster import Cluster, missing
 
@@ -158,18 +158,20 @@ def test_a_kernel_restart_attaches_again_to_the_same_agents_with_fresh_workers(j
     assert [a.pid for a in job.dir.agents()] == agents  # the same agents throughout
 
 
-def test_a_host_whose_link_goes_down_is_named_within_seconds_and_the_rest_works(job, cluster):
+def test_a_host_whose_link_goes_down_is_named_within_seconds_and_the_rest_works(job, cluster, tmp_path):
     from monarch.actor import this_host
 
     mesh = job.spawn_procs({"gpu": 1})
     local = this_host().spawn_procs({"gpu": 1})
 
     @monarch.remote
-    def nap():
+    def nap(marker):
+        say_started(marker)
         time.sleep(60)
 
-    fut = nap.on(mesh).call_async()
-    time.sleep(0.5)
+    marker = str(tmp_path / "napping")  # (the hosts are namespaces of this machine: one file system)
+    fut = nap.on(mesh).call_async(marker)
+    wait_for(lambda: started(marker, 2), what="the nap on both hosts")
     cluster.link(1, up=False)  # no RST: packets just stop
     t0 = time.monotonic()
     try:

@@ -76,9 +76,13 @@ def test_a_rank_whose_thread_holds_the_gil_is_read_from_outside_by_py_spy():
     import shutil
 
     assert shutil.which("py-spy"), "py-spy is a test dependency (pip install -e .[test])"
-    probe = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    probe = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
-        time.sleep(0.3)
+        assert probe.stdout.readline() == "up\n"  # (an interpreter py-spy can read)
         tried = subprocess.run(["py-spy", "dump", "--pid", str(probe.pid)], capture_output=True, text=True, timeout=30)
     finally:
         probe.kill()

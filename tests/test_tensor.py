@@ -13,7 +13,7 @@ import torch.nn as nn
 import monarch
 from monarch.runtime.remote import RemoteFunction
 
-from conftest import wait_gone, worker_pids
+from conftest import say_started, started, wait_for, wait_gone, worker_pids
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -299,25 +299,33 @@ def test_to_mesh_between_spawned_meshes(mesh):
         other.exit()
 
 
-def test_move_to_a_mesh_that_dies_before_taking_it_does_not_stall_the_sender(mesh, capfd):
+def test_move_to_a_mesh_that_dies_before_taking_it_does_not_stall_the_sender(mesh, capfd, tmp_path):
     """The receiving mesh is busy, then killed, before its workers reach the move: the sending
     workers give up on the link as soon as the controller marks that mesh gone, and keep serving."""
     from monarch.actor import this_host
 
     @monarch.remote
-    def nap(seconds):
+    def nap(marker, seconds):
+        say_started(marker)
         time.sleep(seconds)
 
+    from monarch.runtime.controller import get_controller
+
+    store = get_controller().backend.store
     other = this_host().spawn_procs({"host": 2, "gpu": 2})
     pids = worker_pids(other)
     try:
-        busy = nap.on(other).call_async(30)  # the receivers will not reach the move for 30 s
+        marker = str(tmp_path / "napping")
+        busy = nap.on(other).call_async(marker, 30)  # the receivers will not reach the move for 30 s
         with mesh.activate():
             x = torch.ones(3)
         x.to_mesh(other)
         with mesh.activate():
             after = x + 1  # queued behind the send on every worker of `mesh`
-        time.sleep(0.3)
+        wait_for(lambda: started(marker, 4), what="the receivers' nap")
+        link = f">{other._spawned.mesh_id}."  # (links are named "<mesh>.<rank>><mesh>.<rank>")
+        waiting = lambda: sum(link in k and k.endswith("/here/0") for k in list(store.data))  # noqa: E731
+        wait_for(lambda: waiting() == len(mesh), what="every sender waiting for its receiver")  # (its store key)
         os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(Exception, match="rank 1"):
             busy.result(timeout=10)
@@ -878,16 +886,17 @@ def test_an_in_place_op_with_a_failed_input_poisons_the_tensor_it_writes(mesh):
             monarch.inspect(poisoned)
 
 
-def test_a_live_call_is_not_held_back_by_a_collective_queued_on_a_stream():
+def test_a_live_call_is_not_held_back_by_a_collective_queued_on_a_stream(tmp_path):
     """Rank 1's live call waits for rank 0's; a stream collective queued between them must not make
     rank 0 wait for rank 1 (which cannot queue it until its call returns)."""
     from monarch.actor import this_host
 
     @monarch.remote
-    def recv_from_rank0():
+    def recv_from_rank0(marker):
         import torch.distributed as dist
 
         t = torch.zeros(1)
+        say_started(marker)
         dist.recv(t, src=0)
         return t.item()
 
@@ -900,8 +909,9 @@ def test_a_live_call_is_not_held_back_by_a_collective_queued_on_a_stream():
     pair = this_host().spawn_procs({"host": 2})
     pids = worker_pids(pair)
     try:
-        waiting = recv_from_rank0.on(pair.slice(host=1)).call_async()
-        time.sleep(0.3)
+        marker = str(tmp_path / "receiving")
+        waiting = recv_from_rank0.on(pair.slice(host=1)).call_async(marker)
+        wait_for(lambda: started(marker, 1), what="rank 1's receive")
         comms = monarch.Stream("comms")
         with pair.activate(), comms.activate():
             r = torch.ones(1).reduce("host", "sum")
