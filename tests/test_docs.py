@@ -191,7 +191,12 @@ def test_every_code_block_compiles_and_names_only_what_monarch_has(tmp_path):
         "            try:\n"
         "                obj = getattr(obj, part)\n"
         "            except AttributeError:\n"
-        "                obj = importlib.import_module('.'.join(parts[:i]))\n"
+        "                try:\n"
+        "                    obj = importlib.import_module('.'.join(parts[:i]))\n"
+        "                except ModuleNotFoundError as e:\n"
+        "                    if e.name != '.'.join(parts[:i]):\n"
+        "                        raise\n"
+        "                    raise LookupError(f\"{'.'.join(parts[:i - 1])} has no {part!r}\") from None\n"
         "    except Exception as e:\n"
         "        print(f'{dotted}: {type(e).__name__}: {e}')\n"
     )
