@@ -22,6 +22,7 @@ import difflib
 import math
 import re
 import shlex
+import sys
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -92,7 +93,7 @@ class MeshMagics(Magics):
             output = ArrivalLines()
         from monarch.runtime import cells
 
-        filename = f"<mesh cell {self.shell.execution_count}>"
+        filename = f"<mesh cell {_cell_number(self.shell)}>"
         no_stdin = None if blocking else "the cell runs with --noblock, so nothing waits to answer"
         if not blocking and isinstance(output, RankAreas):
             output.show_now()  # in this cell, before it returns
@@ -268,6 +269,19 @@ class MeshMagics(Magics):
             raise UsageError(f"%mesh push: {', '.join(missing)} not defined in this notebook")
         cells.push(view, {n: self.shell.user_ns[n] for n in rest})
         return None
+
+
+def _cell_number(shell: Any) -> int:
+    """The number IPython shows for the running cell (``Cell In[N]``), found as IPython finds it: from the
+    cell's code file. (IPython 9 counts a cell before running it, 8 after: `execution_count` is off by one.)"""
+    numbers = getattr(shell.compile, "_filename_map", {})
+    frame = sys._getframe(1)
+    while frame is not None:
+        n = numbers.get(frame.f_code.co_filename)
+        if n is not None:
+            return n
+        frame = frame.f_back
+    return shell.execution_count
 
 
 def _refuse_if_busy(view: Any) -> None:
