@@ -5,7 +5,7 @@ controller process, as a kernel that lives for days would run them.
 
 Each round:
 - attaches to a job of two host agents on this machine (real agent processes on 127.0.0.1 and 127.0.0.2,
-  as `tests/agent_job.py` starts them), spawns {host: 2, gpu: 1} there, runs an all_reduce over a
+  started by `tests/agent_job.py`), spawns {host: 2, gpu: 1} there, runs an all_reduce over a
   dimension's group (a rendezvous through the store, relayed by the agents), exits the mesh (the
   controller detaches from the agents);
 - spawns {gpu: 2} locally, makes a group, prints a burst from a call nobody waits for and exits at once:
@@ -30,6 +30,10 @@ import threading
 import time
 import traceback
 from contextlib import redirect_stdout
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from agent_job import AgentJob  # noqa: E402  (two host agents on this machine, as the tests start them)
 
 BURST = 2000
 """Lines each local worker prints just before its mesh exits."""
@@ -57,51 +61,6 @@ def workers() -> list[int]:
         if p == me:
             found.append(pid)
     return found
-
-
-class Agents:
-    """Two host agents on this machine, as a Slurm job's would run (tests/agent_job.py, without pytest)."""
-
-    def __init__(self, root: str, name: str = "stress", hosts: int = 2) -> None:
-        os.environ["MONARCH_JOBS_DIR"] = root
-        from monarch.runtime.backends.jobfiles import JobDir
-
-        self.name = name
-        self.dir = JobDir.named(name)
-        self.dir.create({"name": name, "hosts": hosts, "gpus_per_host": 0, "slurm_id": None, "workspace": None})
-        self.procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "monarch.runtime.agent",
-                    "--job-dir",
-                    str(self.dir.path),
-                    "--index",
-                    str(i),
-                    "--bind",
-                    f"127.0.0.{i + 1}",
-                    "--workspace",
-                    os.path.join(root, f"ws-{i}"),
-                ],
-                stderr=subprocess.DEVNULL,
-            )  # fmt: skip
-            for i in range(hosts)
-        ]
-        deadline = time.monotonic() + 60
-        while len(self.dir.agents()) < hosts:
-            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
-                raise RuntimeError("the agents did not come up")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 def one_round(job_name: str) -> None:
@@ -159,7 +118,8 @@ def main() -> None:
     from monarch.runtime.controller import get_controller
 
     root = tempfile.mkdtemp(prefix="monarch-stress-")
-    agents = Agents(root)
+    agents = AgentJob(Path(root), "stress", hosts=2)
+    agents.start(timeout=60)
     failures: list[tuple[int, str]] = []
     rows = []
     started = time.monotonic()
@@ -182,8 +142,10 @@ def main() -> None:
                       "workers left {}  {:.0f} s".format(*row), flush=True)  # fmt: skip
     finally:
         get_controller().shutdown()
-        agents.stop()
+        left = agents.stop()
         shutil.rmtree(root, ignore_errors=True)
+        if left:
+            failures.append((args.rounds, f"agent processes left running: {left}"))
     print(f"\n{args.rounds} rounds, {len(failures)} failures, {time.monotonic() - started:.0f} s")
     for i, why in failures:
         print(f"  round {i}: {why}")

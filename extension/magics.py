@@ -1,14 +1,7 @@
 """`%%mesh` (run a cell on every worker of a mesh) and `%mesh` (status, stacks, shutdown, restart, pull, push).
 
-    %%mesh gpu=8                      start (or reuse) a local mesh of 8 workers; run the cell on each
-    %%mesh host=2 gpu=4               a two-dimensional mesh
-    %%mesh mesh                       run on a ProcMesh variable (any view of a spawned mesh)
-    %%mesh gpu=8 --on gpu=0:4         run on part of the mesh (an index or a start:stop range)
-    %%mesh gpu=8 --noblock            return at once; output keeps arriving in the cell
-    %%mesh gpu=8 --group arrival      output in arrival order, each line labelled (default: by rank)
-    %%mesh gpu=8 --save run           keep the run's handle in `run` (run.result(), run.mesh)
-    %%mesh --replace gpu=4            stop the running mesh (its namespaces are lost), start this shape
-    %%mesh gpu=4 --profile traces/    profile the cell on every worker: a trace per rank, a merged one, a summary
+What each takes is in `MeshMagics.mesh` and `MeshMagics.mesh_line`, whose docstrings `%%mesh?`, `%mesh?` and
+`%mesh help` show.
 
 A shape different from the running implicit mesh's is refused, naming the running shape (its workers
 hold the cells' names; a typo such as `gpus=4` must not throw them away): `--replace` replaces it.
