@@ -1,7 +1,7 @@
 """Every `MONARCH_*` setting, read once per process into a frozen `Settings`.
 
 The controller reads them; workers get the values they need from the controller when they start
-(`WorkerConfig`), so a worker never reads a knob of its own. Bad values are a `ValueError` naming the
+(`protocol.WorkerStart`), so a worker never reads a knob of its own. Bad values are a `ValueError` naming the
 variable, the value and what is allowed. (`MONARCH_LOG` is read by `log.py`, in each process: a bad value
 there is a warning, not an error, as logging must never stop a run.)
 """

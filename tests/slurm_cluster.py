@@ -4,7 +4,7 @@ Needs root and Debian's slurmctld, slurmd, slurm-client and munge (`./run test` 
 runs as root). Each fake host is a network namespace on a bridge (10.77.0.1 is this machine, host i is
 10.77.0.(10 + i)) with its own hostname and its own slurmd; slurmctld and munged run here. `start()`
 brings it all up and `stop()` takes every piece down again (jobs, daemons, namespaces, the bridge, the
-files), whatever state it is in. See ../shared/notes/slurm_and_fake_hosts.md for the facts behind it.
+files), whatever state it is in. docs/features/slurm.md says how the tests use it.
 """
 
 from __future__ import annotations
