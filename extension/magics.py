@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import inspect
 import math
 import re
 import shlex
-import sys
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -35,8 +35,6 @@ _LINE_USAGE = (
 
 def _help() -> str:
     """What `%mesh help` prints: both magics' docstrings."""
-    import inspect
-
     return "\n\n".join(inspect.getdoc(f) for f in (MeshMagics.mesh_line, MeshMagics.mesh))
 
 
@@ -268,7 +266,7 @@ def _cell_number(shell: Any) -> int:
     """The number IPython shows for the running cell (``Cell In[N]``), found as IPython finds it: from the
     cell's code file. (IPython 9 counts a cell before running it, 8 after: `execution_count` is off by one.)"""
     numbers = getattr(shell.compile, "_filename_map", {})
-    frame = sys._getframe(1)
+    frame = inspect.currentframe()
     while frame is not None:
         n = numbers.get(frame.f_code.co_filename)
         if n is not None:
