@@ -431,7 +431,8 @@ class HostsBackend(Backend):
         codes: dict[int, int | None] = {}
         for c in mesh.stopped.values():
             codes.update({int(r): v for r, v in c.items()})
-        drain_output(self.transport, mesh_id, codes)
+        if graceful:
+            drain_output(self.transport, mesh_id, codes)
         self.meshes.pop(mesh_id, None)
         self.transport.remove_mesh(mesh_id)
         self.local.store.forget_mesh(mesh_id)

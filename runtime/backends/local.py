@@ -150,7 +150,8 @@ class LocalBackend(Backend):
         if graceful:
             self.send(mesh_id, None, protocol.Exit())
         codes = self.procs.wait_exit(mesh_id, self.settings.exit_grace if graceful else 0)
-        drain_output(self.transport, mesh_id, codes)
+        if graceful:  # (only workers asked to exit say Goodbye: one that died with status 0 did not)
+            drain_output(self.transport, mesh_id, codes)
         self._forget(mesh_id)
         return codes
 
