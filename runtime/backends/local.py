@@ -28,6 +28,10 @@ from monarch.runtime.config import Settings
 from monarch.runtime.errors import exit_cause
 from monarch.runtime.shape import Shape
 
+_log = log.get("backend")
+GOODBYE_WAIT = 5.0
+"""Seconds to wait, after a worker exited when asked, for its last messages to be received."""
+
 
 @dataclass
 class _Mesh:
@@ -166,11 +170,6 @@ class LocalBackend(Backend):
         self.transport.close()
         self.transport.terminate()
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-_log = log.get("backend")
-GOODBYE_WAIT = 5.0
-"""Seconds to wait, after a worker exited when asked, for its last messages to be received."""
 
 
 def drain_output(transport: ControllerTransport, mesh_id: int, codes: dict[int, int | None]) -> None:
