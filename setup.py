@@ -1,7 +1,7 @@
 """Packaging: the folders map into one import package, `monarch` (metadata in pyproject.toml).
 
 Each folder's subpackages are found here, not listed by hand: a new subpackage ships in the wheel without
-anyone editing a list (a hand list once left `monarch.runtime.backends.sim` out of every non-editable
+anyone editing a list (a hand list once left `monarch.runtime.simulator.backend` out of every non-editable
 install). `tests/test_packaging.py` installs the wheel and imports every module.
 """
 

@@ -28,7 +28,7 @@ import torch
 import monarch
 from monarch.actor import this_host
 from monarch.runtime.remote import RemoteFunction
-from monarch.runtime.simulator import Simulator
+from monarch.runtime.simulator.simulator import Simulator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from simulator import programs  # noqa: E402  (the same programs as the simulator's benchmark)

@@ -8,7 +8,7 @@ import uuid
 from typing import Any
 
 from monarch.runtime.controller import LineLabeller, OutputEvent
-from monarch.runtime.remote import Future, ValueMesh
+from monarch.runtime.values import Future, ValueMesh
 
 STARTUP_GRACE = 0.3
 """Seconds a new live view gets to load in the browser before it is sent new text; what arrives meanwhile

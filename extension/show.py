@@ -8,7 +8,7 @@ from typing import Any
 def show(t: Any, **coords: int) -> None:
     """Display `t`'s value on the worker at `coords` (default: the first); in a notebook, a TensorView whose
     rank selector lists every rank of the tensor's mesh (all values are fetched, in one round trip)."""
-    from monarch.runtime.tensor.values import inspect, inspect_all
+    from monarch.runtime.fetch import inspect, inspect_all
 
     try:
         from IPython import get_ipython

@@ -52,17 +52,17 @@ __all__ = [
 # (`Tensor` is exported but not in __all__: help(monarch) would print torch.Tensor's 200 KB of methods)
 _EXPORTS = {
     "remote": "monarch.runtime.remote",
-    "ValueMesh": "monarch.runtime.remote",
-    "Future": "monarch.runtime.remote",
-    "RemoteError": "monarch.runtime.errors",
-    "WorkerDiedError": "monarch.runtime.errors",
-    "MeshBusyError": "monarch.runtime.errors",
+    "ValueMesh": "monarch.runtime.values",
+    "Future": "monarch.runtime.values",
+    "RemoteError": "monarch.runtime.common.errors",
+    "WorkerDiedError": "monarch.runtime.common.errors",
+    "MeshBusyError": "monarch.runtime.common.errors",
     "ProcMesh": "monarch.runtime.mesh",
-    "current_rank": "monarch.runtime.context",
-    "current_size": "monarch.runtime.context",
+    "current_rank": "monarch.runtime.common.context",
+    "current_size": "monarch.runtime.common.context",
     "Tensor": "monarch.runtime.tensor.handles",
-    "inspect": "monarch.runtime.tensor.values",
-    "fetch_shard": "monarch.runtime.tensor.values",
+    "inspect": "monarch.runtime.fetch",
+    "fetch_shard": "monarch.runtime.fetch",
     "grad_generator": "monarch.runtime.tensor.comms",
     "Stream": "monarch.runtime.tensor.streams",
     "get_active_stream": "monarch.runtime.tensor.streams",
@@ -71,10 +71,11 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from monarch.runtime.context import current_rank, current_size
-    from monarch.runtime.errors import MeshBusyError, RemoteError, WorkerDiedError
+    from monarch.runtime.common.context import current_rank, current_size
+    from monarch.runtime.common.errors import MeshBusyError, RemoteError, WorkerDiedError
     from monarch.runtime.mesh import ProcMesh
-    from monarch.runtime.remote import Future, ValueMesh, remote
+    from monarch.runtime.remote import remote
+    from monarch.runtime.values import Future, ValueMesh
 
 
 _SUBMODULES = {"memory", "profiler"}

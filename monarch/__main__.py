@@ -1,6 +1,6 @@
 """`python -m monarch <command>` (also the `monarch` console script).
 
-Commands: ``debug`` attaches to a script whose workers are paused in pdb (`monarch.runtime.debugclient`).
+Commands: ``debug`` attaches to a script whose workers are paused in pdb (`monarch.runtime.tools.debugger`).
 Each command's module is imported only when it runs, so this stays as light as `import monarch`.
 """
 
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command == "debug":
-        from monarch.runtime.debugclient import main as debug
+        from monarch.runtime.tools.debugger import main as debug
 
         return debug(rest)
     print(f"monarch: unknown command {command!r}\n{USAGE}", file=sys.stderr)

@@ -10,7 +10,7 @@ def default_mesh(mesh: Any) -> Any:
     """`mesh`; else, off a worker and outside `mesh.activate()`, the notebook's `%%mesh` mesh (None if none)."""
     if mesh is not None:
         return mesh
-    from monarch.runtime import context
+    from monarch.runtime.common import context
     from monarch.runtime.mesh import active_mesh
 
     if context.worker is not None or active_mesh() is not None:

@@ -19,8 +19,8 @@ import os
 from typing import Any
 
 from monarch._default_mesh import default_mesh
-from monarch.runtime import memory as _memory
-from monarch.runtime.memory import Allocation, MemorySnapshots, RankMemory
+from monarch.runtime.tools import memory as _memory
+from monarch.runtime.tools.memory import Allocation, MemorySnapshots, RankMemory
 
 __all__ = ["record_memory_history", "dump_memory_snapshot", "MemorySnapshots", "RankMemory", "Allocation"]
 

@@ -23,28 +23,28 @@ def reserve(hosts: int, gpus_per_host: int = 0, **kw: Any):
     """Reserve `hosts` nodes through Slurm, one agent each; returns the `Job` once every agent is up. Options:
     `name`, `partition`, `time_limit`, `workspace` (a directory copied to each host), `timeout` (none),
     `interface` (the network interface the agents listen on and give gloo/NCCL; default: the first one up)."""
-    from monarch.runtime.jobs import reserve as _reserve
+    from monarch.runtime.slurm.jobs import reserve as _reserve
 
     return _reserve(hosts, gpus_per_host, **kw)
 
 
 def job(name: str):
     """The job reserved under `name` (by this or an earlier process)."""
-    from monarch.runtime.jobs import Job
+    from monarch.runtime.slurm.jobs import Job
 
     return Job(name)
 
 
 def list_jobs() -> list[dict]:
     """The jobs recorded here, each with its Slurm state."""
-    from monarch.runtime.jobs import list_jobs as _list
+    from monarch.runtime.slurm.jobs import list_jobs as _list
 
     return _list()
 
 
 def cleanup(name: str) -> None:
     """Cancel job `name` (its agents and workers end) and forget it."""
-    from monarch.runtime.jobs import cleanup as _cleanup
+    from monarch.runtime.slurm.jobs import cleanup as _cleanup
 
     _cleanup(name)
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("cleanup", help="cancel a job and forget it")
     c.add_argument("name")
     args = ap.parse_args(argv)
-    from monarch.runtime.slurm import SlurmError
+    from monarch.runtime.slurm.commands import SlurmError
 
     try:
         if args.cmd == "reserve":

@@ -9,7 +9,7 @@
             prof.step()
 
 In a notebook the block's end shows the merged timeline and a per-rank summary naming the slowest rank;
-a script gets the summary on stderr. See `monarch.runtime.profiler` for the details.
+a script gets the summary on stderr. See `monarch.runtime.tools.profiler` for the details.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import sys
 from typing import Any
 
 from monarch._default_mesh import default_mesh
-from monarch.runtime.profiler import ProfileResult, Schedule, record_function
-from monarch.runtime.profiler import profile as _profile
+from monarch.runtime.tools.profiler import ProfileResult, Schedule, record_function
+from monarch.runtime.tools.profiler import profile as _profile
 
 __all__ = ["profile", "record_function", "Schedule", "ProfileResult", "show"]
 

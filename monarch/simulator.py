@@ -1,4 +1,4 @@
-"""`monarch.Simulator`: a mesh that simulates rather than computes (see `monarch.runtime.simulator`).
+"""`monarch.Simulator`: a mesh that simulates rather than computes (see `monarch.runtime.simulator.simulator`).
 
 In a notebook `display()` draws the timeline inline; elsewhere it prints the summary.
 """
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import sys
 
-from monarch.runtime.simulator import SimSummary
-from monarch.runtime.simulator import Simulator as _Simulator
+from monarch.runtime.simulator.simulator import SimSummary
+from monarch.runtime.simulator.simulator import Simulator as _Simulator
 
 __all__ = ["Simulator", "SimSummary"]
 

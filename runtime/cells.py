@@ -9,7 +9,8 @@ from typing import Any
 
 from monarch.runtime.controller import OutputEvent
 from monarch.runtime.mesh import ProcMesh
-from monarch.runtime.remote import Future, RemoteFunction, ValueMesh
+from monarch.runtime.remote import RemoteFunction
+from monarch.runtime.values import Future, ValueMesh
 
 _WORKER = "monarch.runtime.worker.cells"
 

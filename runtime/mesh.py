@@ -9,12 +9,15 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from monarch.runtime import protocol
-from monarch.runtime.groups import WORLD, ProcessGroupRef
-from monarch.runtime.shape import Shape, format_ranks
-from monarch.runtime.stacks import StackReport, pyspy_threads, thread_stacks
+from monarch.runtime.common.groups import WORLD, ProcessGroupRef
+from monarch.runtime.common.shape import Shape, format_ranks
+from monarch.runtime.common.stacks import StackReport, pyspy_threads, thread_stacks
+from monarch.runtime.wire import protocol
+
+if TYPE_CHECKING:
+    from monarch.runtime.controller import SpawnedMesh
 
 _active: contextvars.ContextVar[ProcMesh | None] = contextvars.ContextVar("monarch_active_mesh", default=None)
 
@@ -28,7 +31,7 @@ def mesh_to_act_on(what: str, mesh: Any, missing: str) -> ProcMesh | None:
     """The view a mesh-wide tool (the profiler, memory snapshots) acts on: `mesh` if given, else None on a
     worker (the tool acts on that worker alone), else the innermost `mesh.activate()`'s; `ValueError(missing)`
     when there is none."""
-    from monarch.runtime import context
+    from monarch.runtime.common import context
 
     if mesh is not None:
         if not isinstance(mesh, ProcMesh):
@@ -77,9 +80,15 @@ class ProcMesh:
     processes as `mesh`.
     """
 
-    def __init__(self, spawned, shape: Shape):
+    def __init__(self, spawned: SpawnedMesh, shape: Shape):
         self._spawned = spawned
         self._shape = shape
+
+    @property
+    def spawned(self) -> SpawnedMesh:
+        """The spawned mesh this view addresses (shared by every view of it): its controller, backend and
+        tensor engine. The runtime's handle on the workers; user code does not need it."""
+        return self._spawned
 
     # -- shape -------------------------------------------------------------------------------------
     @property
@@ -130,19 +139,19 @@ class ProcMesh:
 
     def rename(self, **renames: str) -> ProcMesh:
         """`rename(host="dp", gpu="tp")`: the same workers under new dimension names."""
-        return ProcMesh(self._spawned, self._shape.rename(**renames))
+        return type(self)(self._spawned, self._shape.rename(**renames))
 
     def split(self, **spec) -> ProcMesh:
         """`split(host=("dp", "pp"), gpu=("tp",), pp=2)`: replace dimensions by several; one size may be inferred."""
-        return ProcMesh(self._spawned, self._shape.split(**spec))
+        return type(self)(self._spawned, self._shape.split(**spec))
 
     def slice(self, **index: int | range | slice) -> ProcMesh:
         """`slice(gpu=0)` drops the dimension; `slice(gpu=range(0, 4))` or `slice(gpu=slice(0, 4))` keeps it."""
-        return ProcMesh(self._spawned, self._shape.slice(**index))
+        return type(self)(self._spawned, self._shape.slice(**index))
 
     def flatten(self, name: str) -> ProcMesh:
         """All workers of this view along one dimension called `name`."""
-        return ProcMesh(self._spawned, self._shape.flatten(name))
+        return type(self)(self._spawned, self._shape.flatten(name))
 
     # -- workers -----------------------------------------------------------------------------------
     def _check(self) -> None:
@@ -190,9 +199,7 @@ class ProcMesh:
     def sync_workspace(self) -> dict[str, list[str]]:
         """For a mesh on a job reserved with a workspace: copy the workspace to the hosts again (only
         changed files travel) and reload, on this view's workers, the modules whose files changed."""
-        from monarch.runtime import jobs  # a public shortcut into the layer above (marked)
-
-        return jobs.sync_workspace(self)
+        raise ValueError(f"mesh {self.describe()} has no workspace to sync: it runs on this machine")
 
     def exit(self) -> None:
         """Stop the workers (of the whole spawned mesh, which all views share). Idempotent."""
@@ -209,9 +216,9 @@ class ProcMesh:
         backend = None
         job = getattr(sp.backend, "job", None)
         if job is not None:  # a job's hosts: attach again (raises, naming a host that is gone)
-            backend = controller.attach(job, job.agents())
+            backend = controller.attach(job, job.agents(), sp.backend.why_ended)
         spawned = controller.spawn(sp.shape.size_dict, backend)
-        return ProcMesh(spawned, spawned.shape)
+        return type(self)(spawned, spawned.shape)
 
     @property
     def spawned_sizes(self) -> dict[str, int]:
@@ -242,7 +249,7 @@ class ProcMesh:
         busy = self.busy(ask=0.3, interrupted_only=interrupted_only)
         if not busy:
             return
-        from monarch.runtime.errors import MeshBusyError
+        from monarch.runtime.common.errors import MeshBusyError
 
         ranks = sorted({r for b in busy for r in b.ranks})
         who = f"rank {ranks[0]} is" if len(ranks) == 1 else f"ranks {format_ranks(ranks)} are"

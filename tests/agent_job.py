@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from monarch.runtime.backends.jobfiles import JobDir
+from monarch.runtime.procs.jobfiles import JobDir
 
 from conftest import wait_gone
 

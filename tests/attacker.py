@@ -10,7 +10,7 @@ import time
 
 import zmq
 
-from monarch.runtime import protocol, wire
+from monarch.runtime.wire import codec, protocol
 
 NOBODY = 65534
 
@@ -62,7 +62,7 @@ def tcp_mesh(server_public: str, topic_hex: str, cmd_addr: str, store_addr: str,
     store = ctx.socket(zmq.DEALER)
     store.curve_serverkey, store.curve_publickey, store.curve_secretkey = server_public.encode(), public, private
     store.connect(store_addr)
-    store.send_multipart(wire.encode(os.urandom(32), 0, 0, 1, protocol.pack(protocol.StoreNumKeys())))
+    store.send_multipart(codec.encode(os.urandom(32), 0, 0, 1, protocol.pack(protocol.StoreNumKeys())))
     ready()
     got, seen_secret, deadline = 0, False, time.monotonic() + 3
     while time.monotonic() < deadline:

@@ -132,7 +132,7 @@ def test_the_jobs_secret_is_private_and_on_no_command_line(job, mesh):
 def test_a_stranger_without_the_jobs_key_gets_no_answer(job, mesh):
     import zmq
 
-    from monarch.runtime import protocol, wire
+    from monarch.runtime.wire import codec, protocol
 
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
@@ -141,7 +141,7 @@ def test_a_stranger_without_the_jobs_key_gets_no_answer(job, mesh):
     s.curve_serverkey = job.dir.secret().curve.server_public
     s.curve_publickey, s.curve_secretkey = public, secret
     s.connect(job.dir.agents()[0].endpoints["ctl"])
-    s.send_multipart(wire.encode(os.urandom(32), protocol.LINK, -1, 1, protocol.pack(protocol.AgentHello("x"))))
+    s.send_multipart(codec.encode(os.urandom(32), protocol.LINK, -1, 1, protocol.pack(protocol.AgentHello("x"))))
     assert s.poll(1000) == 0
     s.close(0)
     assert list(where.on(mesh)()) == [6.0] * 4  # the agents serve on
@@ -252,7 +252,7 @@ def test_an_agents_workers_own_its_gpus_and_reduce_over_nccl(tmp_path):
     mesh = None
     try:
         mesh = monarch.notebook.job("gpus").spawn_procs({"gpu": n})
-        assert mesh._spawned.backend.hosts[0].info.gpus == n
+        assert mesh.spawned.backend.hosts[0].info.gpus == n
 
         @monarch.remote
         def nccl_sum(fail_rank=None):

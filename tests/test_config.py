@@ -2,7 +2,7 @@
 
 import pytest
 
-from monarch.runtime.config import Settings, from_env
+from monarch.runtime.common.config import Settings, from_env
 
 
 def test_defaults_and_values_read_from_the_environment():

@@ -12,7 +12,7 @@ import pytest
 
 import monarch
 from monarch.actor import this_host
-from monarch.runtime.errors import RemoteError, WorkerDiedError
+from monarch.runtime.common.errors import RemoteError, WorkerDiedError
 
 from conftest import pid_alive, say_started, started, wait_for, wait_gone, worker_pids
 
@@ -241,7 +241,7 @@ def test_ctrl_c_interrupts_workers_and_they_stay_alive(tmp_path):
 def test_ctrl_c_is_held_until_a_multi_frame_message_is_out():
     """A command of several frames cut short would swallow the next one (workers drop both): Ctrl-C
     during its send is delivered right after the last frame."""
-    from monarch.runtime.backends.transport import HOLD, _Swap
+    from monarch.runtime.wire.hold import HOLD, _Swap
 
     before = signal.getsignal(signal.SIGINT)
     done = []

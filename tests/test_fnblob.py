@@ -9,7 +9,7 @@ import weakref
 import cloudpickle
 import pytest
 
-from monarch.runtime import fnblob
+from monarch.runtime.controller import fnblob
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,11 +20,11 @@ import zmq
 
 import monarch
 from monarch.actor import this_host
-from monarch.runtime import protocol, wire
-from monarch.runtime.config import Settings
+from monarch.runtime.common.config import Settings
+from monarch.runtime.common.errors import WorkerDiedError
 from monarch.runtime.controller import Controller, get_controller
-from monarch.runtime.errors import WorkerDiedError
 from monarch.runtime.mesh import ProcMesh
+from monarch.runtime.wire import codec, protocol
 
 from conftest import wait_gone, worker_pids
 
@@ -235,13 +235,13 @@ def test_a_replayed_reply_is_refused(capfd):
     pids = worker_pids(mesh)
     ctl = get_controller()
     transport = ctl.backend.transport
-    key = transport._meshes[mesh._spawned.mesh_id].key
+    key = transport._meshes[mesh.spawned.mesh_id].key
     out = zmq.Context.instance().socket(zmq.PUSH)
     out.connect(transport.reply_addr)
     try:
         list(echo.on(mesh)(1))
-        seen = transport._meshes[mesh._spawned.mesh_id].seen[0]
-        stale = wire.encode(key, mesh._spawned.mesh_id, 0, seen, protocol.pack(protocol.Output(None, "stdout", "X\n")))
+        seen = transport._meshes[mesh.spawned.mesh_id].seen[0]
+        stale = codec.encode(key, mesh.spawned.mesh_id, 0, seen, protocol.pack(protocol.Output(None, "stdout", "X\n")))
         out.send_multipart(stale)
         list(echo.on(mesh)(2))
         time.sleep(0.1)
@@ -285,12 +285,12 @@ def test_a_frozen_worker_is_reported_by_rank_and_its_mesh_stopped():
 def test_the_next_start_removes_what_a_killed_controller_left(tmp_path):
     """A controller killed with SIGKILL cleans nothing: its socket directory and fork server's directory
     stay. The next controller to start removes them (they name a process that is gone)."""
-    from monarch.runtime.backends.procs import clean_stale_dirs, private_dir
+    from monarch.runtime.procs.workers import clean_stale_dirs, private_dir
 
     root = tempfile.gettempdir()
     # a short-lived process that makes two directories as a controller does, then dies (a fresh interpreter:
     # a fork of this threaded process could hang on a lock another thread held)
-    code = "from monarch.runtime.backends.procs import private_dir; private_dir('monarch-'); private_dir('monarch-mp-')"
+    code = "from monarch.runtime.procs.workers import private_dir; private_dir('monarch-'); private_dir('monarch-mp-')"
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err

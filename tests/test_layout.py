@@ -30,13 +30,26 @@ def test_kernel_extension_and_widgets_use_the_runtime_through_public_names_only(
     assert found == []
 
 
-def test_no_module_of_the_runtime_signs_or_checks_messages_but_the_transport():
+def test_no_module_of_the_runtime_signs_or_checks_messages_but_the_wire():
+    folders = sorted({os.path.relpath(d, REPO) for d, _, files in os.walk(os.path.join(REPO, "runtime"))
+                      if any(f.endswith(".py") for f in files)})  # fmt: skip
     found = []
-    for folder in ("runtime", "runtime/backends", "runtime/controller", "runtime/tensor", "runtime/worker",
-                   "runtime/worker/engine", "runtime/agent"):  # fmt: skip
-        for name, tree in _sources(folder):
-            for node in ast.walk(tree):
-                if isinstance(node, ast.Attribute) and node.attr in ("encode", "decode"):
-                    if isinstance(node.value, ast.Name) and node.value.id == "wire":
-                        found.append(f"{name}:{node.lineno}")
-    assert found and all(f.startswith("runtime/backends/transport.py") for f in found), found
+    for name, tree in _sources(*folders):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in ("encode", "decode"):
+                if isinstance(node.value, ast.Name) and node.value.id in ("codec", "wire"):
+                    found.append(f"{name}:{node.lineno}")
+    assert found and all(f.startswith("runtime/wire/") for f in found), found
+
+
+def test_only_mesh_py_touches_a_views_spawned_mesh_by_its_private_name():
+    """Everything else uses `ProcMesh.spawned`, the typed accessor."""
+    found = []
+    for top in ("runtime", "kernel", "extension", "widgets", "monarch"):
+        for d, _, files in os.walk(os.path.join(REPO, top)):
+            for f in files:
+                path = os.path.join(d, f)
+                if f.endswith(".py") and os.path.relpath(path, REPO) != "runtime/mesh.py":
+                    with open(path) as fh:
+                        found += [f"{path}:{i}" for i, line in enumerate(fh, 1) if "_spawned" in line]
+    assert found == []

@@ -15,7 +15,7 @@ import torch.cuda._memory_viz as memory_viz
 
 import monarch
 import monarch.memory
-from monarch.runtime.memory import MemorySnapshots, summarize
+from monarch.runtime.tools.memory import MemorySnapshots, summarize
 
 from conftest import _spawned
 

@@ -12,7 +12,7 @@ from monarch.actor import current_rank, current_size
 def whoami():
     import os
 
-    from monarch.runtime import context
+    from monarch.runtime.common import context
 
     return {"rank": context.worker.rank, "view": current_rank(), "sizes": current_size(), "pid": os.getpid(),
             "device": str(context.worker.device), "env_rank": os.environ["RANK"]}  # fmt: skip
@@ -128,4 +128,4 @@ def test_exit_lets_every_worker_finish_by_itself():
     group = mesh.process_group("gpu")  # a group made later, and the store connections behind it
     assert [s for s, _ in all_reduce_rank.on(mesh)(group)] == [1.0, 1.0, 5.0, 5.0]
     mesh.exit()
-    assert mesh._spawned.exit_codes == {0: 0, 1: 0, 2: 0, 3: 0}
+    assert mesh.spawned.exit_codes == {0: 0, 1: 0, 2: 0, 3: 0}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import monarch
-from monarch.runtime import context
+from monarch.runtime.common import context
 
 pytestmark = pytest.mark.timeout(120)
 

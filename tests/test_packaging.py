@@ -2,7 +2,7 @@
 into a fresh virtual environment, every module imports from there, and its kernel runs a `%%mesh` cell.
 
 The suite itself runs against an editable install, which never showed that a hand-written package list had
-left `monarch.runtime.backends.sim` out of every wheel (issue 25).
+left `monarch.runtime.simulator.backend` out of every wheel (issue 25).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import torch
 
 import monarch
 from monarch.profiler import Schedule, profile, record_function
-from monarch.runtime import traces
+from monarch.runtime.tools import traces
 
 from conftest import wait_gone, worker_pids
 

@@ -23,11 +23,13 @@ ATTACH_LOOP = textwrap.dedent(
     """
     import os, shutil, sys, threading, time
     import zmq
-    from monarch.runtime import protocol as P
-    from monarch.runtime.backends.procs import private_dir
-    from monarch.runtime.backends.store import StoreServer
-    from monarch.runtime.backends.transport import AgentCurve, ControllerTransport, WorkerTransport
-    from monarch.runtime.config import Settings
+    from monarch.runtime.wire import protocol as P
+    from monarch.runtime.procs.workers import private_dir
+    from monarch.runtime.wire.store import StoreServer
+    from monarch.runtime.wire.keys import AgentCurve
+    from monarch.runtime.wire.controller_end import ControllerTransport
+    from monarch.runtime.wire.worker_end import WorkerTransport
+    from monarch.runtime.common.config import Settings
 
     sys.setswitchinterval(0.001)  # (threads take turns more often: more chances to meet on a socket)
     ROUNDS, CLIENTS = int(sys.argv[1]), 4
@@ -199,7 +201,7 @@ def test_the_store_drops_a_mesh_keys_when_it_stops():
             x = torch.ones(2)
         moved = x.to_mesh(b)  # a link between the two meshes, per rank
         assert monarch.inspect(moved, host=1, gpu=1).tolist() == [1.0, 1.0]
-        ids = (a._spawned.mesh_id, b._spawned.mesh_id)
+        ids = (a.spawned.mesh_id, b.spawned.mesh_id)
         made = [k for k in store.data if k not in before]
         assert any(k.startswith(f"monarch/{ids[0]}/") for k in made), made
         assert any(k.startswith("monarch/link/") for k in made), made

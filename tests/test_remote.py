@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import monarch
-from monarch.runtime.errors import RemoteError
+from monarch.runtime.common.errors import RemoteError
 
 SCALE = 10
 

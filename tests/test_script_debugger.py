@@ -287,13 +287,13 @@ def test_the_client_with_no_paused_script_says_so_and_exits_1(run_dir):
     out = subprocess.run([sys.executable, "-m", "monarch", "debug"], capture_output=True, text=True, env=_env(run_dir))
     assert out.returncode == 1 and "has mode 0o755: others can reach it; make it private" in out.stderr, out.stderr
     # the client (and `import monarch`) stay light: no torch, zmq or IPython
-    light = "import sys, monarch, monarch.__main__, monarch.runtime.debugclient; print(sorted({'torch', 'zmq', 'IPython'} & set(sys.modules)))"
+    light = "import sys, monarch, monarch.__main__, monarch.runtime.tools.debugger; print(sorted({'torch', 'zmq', 'IPython'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", light], capture_output=True, text=True).stdout == "[]\n"
 
 
 @pytest.mark.timeout(30)
 def test_the_debuggers_directory_is_refused_when_a_link_or_someone_elses_or_open_to_others(run_dir, monkeypatch):
-    from monarch.runtime import debugwire
+    from monarch.runtime.wire import debug as debugwire
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", run_dir)
     path = os.path.join(run_dir, "monarch")

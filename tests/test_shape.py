@@ -2,7 +2,7 @@
 
 import pytest
 
-from monarch.runtime.shape import Shape, format_ranks
+from monarch.runtime.common.shape import Shape, format_ranks
 
 S = Shape.from_sizes({"host": 2, "gpu": 4})
 

@@ -227,7 +227,7 @@ def test_memory_per_rank_counts_a_known_tensor_and_names_the_peak():
 
 
 def test_the_cost_model_follows_flops_bytes_and_dtype():
-    from monarch.runtime.backends.sim import costs, devices
+    from monarch.runtime.simulator import costs, devices
 
     h100 = devices.DEVICES["h100"]
     aten = torch.ops.aten
@@ -275,7 +275,7 @@ def test_the_cost_model_follows_flops_bytes_and_dtype():
 def test_calibrated_op_overheads_and_the_engines_cost_per_reduce_count():
     """`op_extra` adds an op's measured overhead beyond a tiny add (a view's is negative, never below zero in
     all); `reduce_overhead` is the engine's own work in every reduce, over one rank or a ring."""
-    from monarch.runtime.backends.sim import costs, devices
+    from monarch.runtime.simulator import costs, devices
 
     base = dataclasses.replace(devices.DEVICES["h100"], op_overhead=10e-6)
     dev = dataclasses.replace(base, op_extra={"aten::mm": 40e-6, "aten::t": -4e-6, "aten::view": -50e-6})
@@ -301,7 +301,7 @@ def test_on_a_gpu_a_reduce_holds_the_thread_that_issued_it():
     """The engine reads a reduce's failure flag on the host: on a GPU the command thread waits for a reduce on
     the main stream, and a drop waits for the borrowing stream's thread, so a later op on another stream starts
     only after the reduce (on a CPU the main stream is that thread anyway)."""
-    from monarch.runtime.backends.sim import devices
+    from monarch.runtime.simulator import devices
 
     gpu = dataclasses.replace(devices.DEVICES["h100"], intra_latency=5e-3, op_overhead=1e-6, dispatch=1e-6)
     sim = monarch.Simulator(hosts=1, gpus=2, device=gpu)
@@ -329,7 +329,7 @@ def _overlapped(**factors) -> dict:
     """A side stream's reduce (~40 ms) with a ~10 ms matmul on main issued while it runs, then the drop
     and an op on main, on 2 CPU workers of a made-up profile: {name: (start, end)} of rank 0, in ms of the
     simulated clock."""
-    from monarch.runtime.backends.sim import devices
+    from monarch.runtime.simulator import devices
 
     cpu = dataclasses.replace(
         devices.DEVICES["cpu"], flops={"default": 3.3554432e9}, efficiency=1.0, op_overhead=0.0, dispatch=1e-6,
@@ -365,7 +365,7 @@ def test_on_a_cpu_compute_and_a_reduce_that_overlap_share_the_cores_and_a_drop_c
     assert s1 - s0 == pytest.approx(40 + 20 - 20 / 4, abs=0.1)
     assert b0 == pytest.approx(s1 + 3, abs=0.05)  # the main thread's wake after the drop
     # GPUs keep neither: the datasheet profiles have no contention and no hand-over cost
-    from monarch.runtime.backends.sim import devices
+    from monarch.runtime.simulator import devices
 
     assert all(
         (d.compute_contention, d.comm_contention, d.handoff) == (1.0, 1.0, 0.0) for d in devices.DEVICES.values()
@@ -378,7 +378,7 @@ def test_on_a_cpu_a_batch_is_decoded_on_arrival_and_the_ops_after_a_reduce_pay_f
     stream's reduce loses `beside_reduce` (not one that waited for the reduce's drop instead: the hand-over is
     what the wait cost); never on a GPU. A fetched value reaches the controller `fetch_latency` after the
     worker had it."""
-    from monarch.runtime.backends.sim import devices
+    from monarch.runtime.simulator import devices
 
     def run(kind: str, mode: str) -> tuple[list, list]:
         dev = dataclasses.replace(
@@ -436,7 +436,7 @@ def test_on_a_cpu_a_batch_is_decoded_on_arrival_and_the_ops_after_a_reduce_pay_f
 def _beside_the_controller(wait, load: float) -> tuple[float, float]:
     """A 40 ms reduce on 2 CPU workers of a made-up profile, sent just before the controller spends ~30 ms
     in `wait`: (how long the reduce took, how long the controller's clock moved meanwhile), in ms."""
-    from monarch.runtime.backends.sim import devices
+    from monarch.runtime.simulator import devices
 
     cpu = dataclasses.replace(
         devices.DEVICES["cpu"], op_overhead=0.0, dispatch=1e-6, intra_latency=20e-3, controller_load=load
@@ -473,7 +473,7 @@ def test_on_a_cpu_the_controllers_python_slows_down_the_workers_of_its_host():
     # (a waiting thread's own CPU time is not quite 0 on a loaded machine: 0.12 of the gap seen in a full run)
     assert took - 40 > 2 * (slept - 40) and slept <= 40 + 0.2 * gap
     # GPU workers do not share the controller's cores
-    from monarch.runtime.backends.sim import devices
+    from monarch.runtime.simulator import devices
 
     assert all(d.controller_load == 1.0 for d in devices.DEVICES.values())
 

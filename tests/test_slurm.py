@@ -15,7 +15,7 @@ import torch
 
 import monarch
 import monarch.notebook
-from monarch.runtime import slurm
+from monarch.runtime.slurm import commands as slurm
 
 from conftest import REPO, say_started, started, wait_for, wait_gone, worker_pids
 from kernel_client import monarch_kernel

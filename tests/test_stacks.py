@@ -164,7 +164,7 @@ def test_the_periodic_stack_report_goes_to_stderr(tmp_path):
 
 def test_a_bad_report_interval_is_named():
     env = dict(os.environ, MONARCH_HANG_REPORT="soon")
-    code = "from monarch.runtime.config import from_env; import os; from_env(os.environ)"
+    code = "from monarch.runtime.common.config import from_env; import os; from_env(os.environ)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert "MONARCH_HANG_REPORT='soon' is not a number; give a number >= 0" in out.stderr, out.stderr
 

@@ -323,7 +323,7 @@ def test_move_to_a_mesh_that_dies_before_taking_it_does_not_stall_the_sender(mes
         with mesh.activate():
             after = x + 1  # queued behind the send on every worker of `mesh`
         wait_for(lambda: started(marker, 4), what="the receivers' nap")
-        link = f">{other._spawned.mesh_id}."  # (links are named "<mesh>.<rank>><mesh>.<rank>")
+        link = f">{other.spawned.mesh_id}."  # (links are named "<mesh>.<rank>><mesh>.<rank>")
         waiting = lambda: sum(link in k and k.endswith("/here/0") for k in list(store.data))  # noqa: E731
         wait_for(lambda: waiting() == len(mesh), what="every sender waiting for its receiver")  # (its store key)
         os.kill(pids[1], signal.SIGKILL)
@@ -526,7 +526,7 @@ def test_ops_of_the_backward_pass_of_grad_generator_name_the_line_that_asked_for
     """The backward pass runs on a thread of its own: its ops are attributed to the user's line."""
     from monarch.runtime.tensor.engine import engine_for
 
-    engine = engine_for(mesh._spawned)
+    engine = engine_for(mesh.spawned)
     with mesh.activate():
         lin = nn.Linear(2, 2)
         loss = lin(torch.ones(1, 2)).sum()
@@ -536,7 +536,7 @@ def test_ops_of_the_backward_pass_of_grad_generator_name_the_line_that_asked_for
         grads = list(monarch.grad_generator(loss, [lin.bias, lin.weight]))
         line = inspect.currentframe().f_lineno - 1
         engine.flush()
-    from monarch.runtime import protocol
+    from monarch.runtime.wire import protocol
 
     wheres = {cmd.where for cmd in sent if type(cmd) is protocol.Op}
     assert wheres == {
@@ -952,12 +952,12 @@ def test_an_op_whose_argument_cannot_be_sent_fails_alone(mesh):
     """A command that cannot be pickled poisons its own result; the rest of its batch still runs."""
     import threading
 
-    from monarch.runtime import protocol
     from monarch.runtime.tensor.engine import engine_for
+    from monarch.runtime.wire import protocol
 
     with mesh.activate():
         before = torch.ones(2) * 7
-    engine = engine_for(mesh._spawned)
+    engine = engine_for(mesh.spawned)
     bad = monarch.Tensor(torch.empty(2), next(engine.ids), mesh)  # the handle of the crafted op's result
     engine.push(
         mesh._shape.ranks,

@@ -11,8 +11,8 @@ import time
 import zmq
 
 import monarch
-from monarch.runtime import protocol, wire
 from monarch.runtime.controller import get_controller
+from monarch.runtime.wire import codec, protocol
 
 from conftest import REPO
 
@@ -36,8 +36,8 @@ def test_signature_checked_before_unpickling(mesh8, tmp_path):
             return os.system, (f"touch {marker}",)
 
     header = protocol.pack(protocol.Reply(10**9, True))
-    mesh_id = mesh8._spawned.mesh_id
-    forged = wire.encode(os.urandom(32), mesh_id, 0, 10**6, header, [pickle.dumps(Evil())])  # wrong key
+    mesh_id = mesh8.spawned.mesh_id
+    forged = codec.encode(os.urandom(32), mesh_id, 0, 10**6, header, [pickle.dumps(Evil())])  # wrong key
     raw = [b"\0" * 32 + pickle.dumps(Evil())]  # no valid signature at all
     s = transport.ctx.socket(zmq.PUSH)
     s.connect(transport.reply_addr)
@@ -52,8 +52,8 @@ def test_signature_checked_before_unpickling(mesh8, tmp_path):
     assert list(ok.on(mesh8)()) == [1] * 8  # the controller kept working
     assert not marker.exists()
     try:
-        wire.decode(transport._meshes[mesh_id].key, forged)
-    except wire.BadSignature:
+        codec.decode(transport._meshes[mesh_id].key, forged)
+    except codec.BadSignature:
         pass
     else:
         raise AssertionError("a forged message passed the signature check")
@@ -63,10 +63,10 @@ def test_large_tensors_are_out_of_band():
     import torch
 
     t = torch.randn(1024, 1024)
-    frames = wire.encode(b"k" * 32, 0, 0, 1, ("x",), wire.dumps({"t": t}))
+    frames = codec.encode(b"k" * 32, 0, 0, 1, ("x",), codec.dumps({"t": t}))
     assert len(frames) == 2 and len(frames[0]) < 1000 and frames[1].nbytes == t.nbytes
-    env = wire.decode(b"k" * 32, frames)
-    assert torch.equal(wire.loads(env.body, env.buffers)["t"], t)
+    env = codec.decode(b"k" * 32, frames)
+    assert torch.equal(codec.loads(env.body, env.buffers)["t"], t)
 
 
 TCP = textwrap.dedent(
@@ -124,8 +124,9 @@ def test_output_that_overtakes_a_workers_ready_does_not_get_ready_dropped(tmp_pa
     """`Ready` goes up the command socket and output up the reply socket, numbered from one counter: output sent
     just after `Ready` may arrive first. Each socket's numbers are checked on their own, so neither is taken
     for a replay (the spawn waited forever when `Ready` was)."""
-    from monarch.runtime.backends.transport import ControllerTransport, WorkerTransport
-    from monarch.runtime.config import from_env
+    from monarch.runtime.common.config import from_env
+    from monarch.runtime.wire.controller_end import ControllerTransport
+    from monarch.runtime.wire.worker_end import WorkerTransport
 
     os.chmod(tmp_path, 0o700)
     ctl = ControllerTransport(from_env({}), str(tmp_path))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from monarch.runtime.memory import MemorySnapshots, RankMemory, format_bytes
+from monarch.runtime.tools.memory import MemorySnapshots, RankMemory, format_bytes
 from monarch.widgets.style import esc, page
 
 WIDTH, HEIGHT = 320, 90

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from monarch.runtime import traces
+from monarch.runtime.tools import traces
 from monarch.widgets.style import esc, page
 from monarch.widgets.timeline import summary_table, timeline_svg
 

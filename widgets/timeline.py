@@ -8,7 +8,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from monarch.runtime import traces
+from monarch.runtime.tools import traces
 from monarch.widgets.style import esc, page, table
 
 WIDTH = 960

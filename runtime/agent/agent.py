@@ -22,12 +22,14 @@ from typing import Any
 import zmq
 import zmq.utils.monitor
 
-from monarch.runtime import protocol, wire
 from monarch.runtime.agent.relay import Relay
-from monarch.runtime.backends.jobfiles import AgentRecord, JobDir, Manifest, Secret
-from monarch.runtime.backends.procs import WorkerProcs, fork_server_pid, private_dir, warm_fork_server
-from monarch.runtime.backends.transport import LinkEnd, RateLimitedLog, WorkerKeys, heartbeat
-from monarch.runtime.config import Settings
+from monarch.runtime.common.config import Settings
+from monarch.runtime.common.log import RateLimitedLog
+from monarch.runtime.procs.jobfiles import AgentRecord, JobDir, Manifest, Secret
+from monarch.runtime.procs.workers import WorkerProcs, fork_server_pid, private_dir, warm_fork_server
+from monarch.runtime.wire import codec, protocol
+from monarch.runtime.wire.keys import WorkerKeys
+from monarch.runtime.wire.links import LinkEnd, heartbeat
 
 _NOBLOCK = int(zmq.NOBLOCK)
 
@@ -80,7 +82,7 @@ class Agent:
         self.attached_fd = -1
         """Its socket (ZeroMQ reports a connection's end by fd)."""
         self.controller = ""
-        self.link = LinkEnd(self.secret.key, cfg.index, wire.CONTROLLER)
+        self.link = LinkEnd(self.secret.key, cfg.index, codec.CONTROLLER)
         self._outbox: list[Any] = []
         self._outbox_lock = threading.Lock()
         self._wake = self.ctx.socket(zmq.PULL)
@@ -168,7 +170,7 @@ class Agent:
             return
         try:
             env = self.link.decode(frames, fresh=ident != self.attached)
-        except (wire.BadSignature, ValueError) as e:
+        except (codec.BadSignature, ValueError) as e:
             self.log("a message", str(e))
             return
         message = env.message
@@ -250,7 +252,7 @@ class Agent:
                 return
 
     def _signal(self, msg: protocol.SignalWorkers) -> None:
-        if msg.kind == 0:
+        if msg.kind == protocol.Control.INTERRUPT:
             self.procs.interrupt(msg.mesh_id, msg.ranks, msg.call_id)
         else:
             self.procs.control(msg.mesh_id, msg.ranks, msg.call_id, msg.kind)

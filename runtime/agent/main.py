@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     addr, iface = pick_address(args.bind, args.interface)
 
     from monarch.runtime.agent.agent import Agent, AgentConfig
-    from monarch.runtime.config import settings
+    from monarch.runtime.common.config import settings
 
     workspace = args.workspace
     if workspace == "auto":  # this host's own copy (hosts that share a disk still get one each)

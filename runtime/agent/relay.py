@@ -22,7 +22,8 @@ from typing import Any
 
 import zmq
 
-from monarch.runtime.backends.transport import TOPIC, UPSTREAM, AgentCurve, heartbeat
+from monarch.runtime.wire.keys import TOPIC, UPSTREAM, AgentCurve
+from monarch.runtime.wire.links import heartbeat
 
 _NOBLOCK = int(zmq.NOBLOCK)
 

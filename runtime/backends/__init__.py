@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from monarch.runtime.backends.base import Backend, LostCallback
-from monarch.runtime.config import Settings
+from monarch.runtime.common.config import Settings
 
 
 def create(settings: Settings, on_lost: LostCallback) -> Backend:

@@ -13,7 +13,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from monarch.runtime.shape import Shape
+from monarch.runtime.common.shape import Shape
+from monarch.runtime.wire.protocol import Control
 
 LostCallback = Callable[[int, int, str], None]
 """``(mesh id, rank, cause)``: a worker of a running mesh exited, froze or stopped taking commands."""
@@ -67,10 +68,10 @@ class Backend(ABC):
         """Raise KeyboardInterrupt in call `call_id` on `ranks` (a worker busy with another call skips it)."""
 
     @abstractmethod
-    def control(self, mesh_id: int, ranks: tuple[int, ...], call_id: int, kind: int) -> None:
-        """Ask `ranks`, whatever their main thread is doing, to act on call `call_id`: `protocol.RELEASE`
-        (leave a collective the call waits in), `protocol.REPORT` (say what you are doing) or
-        `protocol.DISCONNECT` (shut your groups' connections; `call_id` holds the groups' generation)."""
+    def control(self, mesh_id: int, ranks: tuple[int, ...], call_id: int, kind: Control) -> None:
+        """Ask `ranks`, whatever their main thread is doing, to act on call `call_id`: `protocol.Control.RELEASE`
+        (leave a collective the call waits in), `protocol.Control.REPORT` (say what you are doing) or
+        `protocol.Control.DISCONNECT` (shut your groups' connections; `call_id` holds the groups' generation)."""
 
     def spans_hosts(self, mesh_id: int) -> bool:
         """Whether the mesh's workers are on more than one host (a release must then reach them all)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -25,12 +24,16 @@ from typing import Any
 import zmq
 import zmq.utils.monitor
 
-from monarch.runtime import groups, protocol, slurm, wire
 from monarch.runtime.backends.base import Backend, LostCallback
-from monarch.runtime.backends.jobfiles import AgentRecord, JobDir, Manifest
 from monarch.runtime.backends.local import LocalBackend, await_ready, drain_output, take_startup
-from monarch.runtime.backends.transport import HEARTBEAT_TIMEOUT, LinkEnd, PeerStalled, RateLimitedLog, heartbeat
-from monarch.runtime.shape import Shape
+from monarch.runtime.common import groups
+from monarch.runtime.common.log import RateLimitedLog
+from monarch.runtime.common.shape import Shape
+from monarch.runtime.procs.jobfiles import AgentRecord, JobDir, Manifest
+from monarch.runtime.wire import codec, protocol
+from monarch.runtime.wire.controller_end import PeerStalled
+from monarch.runtime.wire.links import HEARTBEAT_TIMEOUT, LinkEnd, heartbeat
+from monarch.runtime.wire.protocol import Control
 
 _NOBLOCK = int(zmq.NOBLOCK)
 _FORWARDED_ENV = ("MONARCH_LOG",)
@@ -82,9 +85,13 @@ class HostsBackend(Backend):
     """The meshes of one job's hosts. Made by `attach` (which raises, naming the host, if one does not
     answer); `close` detaches, leaving the agents running."""
 
-    def __init__(self, local: LocalBackend, job: JobDir, on_lost: LostCallback) -> None:
+    def __init__(
+        self, local: LocalBackend, job: JobDir, on_lost: LostCallback, why_ended: Callable[[], str] = lambda: ""
+    ) -> None:
         self.local = local
         self.job = job
+        self.why_ended = why_ended
+        """Says why the job's hosts went (e.g. 'Slurm job 12 was cancelled'), or "" (given by `slurm.jobs`)."""
         self.on_lost = on_lost
         self.settings = local.settings
         self.transport = local.transport
@@ -119,7 +126,7 @@ class HostsBackend(Backend):
                 heartbeat(sock)
                 monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
                 sock.connect(rec.endpoints["ctl"])
-                self.hosts.append(Host(rec, sock, monitor, LinkEnd(self.secret.key, wire.CONTROLLER, rec.index)))
+                self.hosts.append(Host(rec, sock, monitor, LinkEnd(self.secret.key, codec.CONTROLLER, rec.index)))
                 self._send(i, protocol.AgentHello(me))
             deadline = time.monotonic() + ATTACH_TIMEOUT
             for i, host in enumerate(self.hosts):
@@ -178,7 +185,7 @@ class HostsBackend(Backend):
             env = host.link.decode(frames)
             host.link.accept(env)
             return env.message
-        except (wire.BadSignature, ValueError) as e:
+        except (codec.BadSignature, ValueError) as e:
             self.log("a message", f"from {host.name}: {e}")
             return None
 
@@ -248,7 +255,7 @@ class HostsBackend(Backend):
         host = self.hosts[i]
         if host.lost:
             return
-        ended = self._slurm_ended()
+        ended = self.why_ended()
         if ended:
             why = ended
         host.lost = why
@@ -263,27 +270,6 @@ class HostsBackend(Backend):
                 with self.changed:
                     mesh.exited.update(dict.fromkeys(ranks, cause))
                     self.changed.notify_all()
-
-    def _slurm_ended(self) -> str:
-        """'Slurm job 12 was cancelled' when the job's Slurm job has ended (a host's agent goes with it),
-        waiting a moment for Slurm to say so; "" when it still runs (or there is no Slurm job)."""
-        try:
-            slurm_id = self.job.meta().get("slurm_id")
-        except (OSError, ValueError):
-            return ""
-        if not slurm_id:
-            return ""
-        deadline = time.monotonic() + 1.5
-        while True:
-            try:
-                st = slurm.state(slurm_id)
-            except (OSError, subprocess.SubprocessError):
-                return ""
-            if st.terminal:
-                return f"Slurm job {slurm_id} {st.words()}"
-            if st.state not in ("COMPLETING", "RUNNING") or time.monotonic() > deadline:
-                return ""
-            time.sleep(0.1)
 
     # -- the workspace -----------------------------------------------------------------------------------
     def sync_workspace(self, directory: str, timeout: float = 120.0) -> dict[str, list[str]]:
@@ -302,7 +288,7 @@ class HostsBackend(Backend):
                 for i in live:
                     paths = sync.want.get(i) or []
                     if paths:
-                        body = wire.dumps([self._manifest.read(p) for p in paths])
+                        body = codec.dumps([self._manifest.read(p) for p in paths])
                         self._send(i, protocol.SyncFiles(paths), body)
                 self._await(lambda: all(i in sync.done or self.hosts[i].lost for i in live), timeout, "the copy")
             finally:
@@ -389,15 +375,15 @@ class HostsBackend(Backend):
 
     def interrupt(self, mesh_id: int, ranks: tuple[int, ...], call_id: int) -> None:
         for i, rs in self._by_host(mesh_id, ranks).items():
-            self._send(i, protocol.SignalWorkers(mesh_id, rs, call_id, 0))
+            self._send(i, protocol.SignalWorkers(mesh_id, rs, call_id, int(protocol.Control.INTERRUPT)))
 
     def spans_hosts(self, mesh_id: int) -> bool:
         mesh = self.meshes.get(mesh_id)
         return mesh is not None and len(mesh.hosts) > 1
 
-    def control(self, mesh_id: int, ranks: tuple[int, ...], call_id: int, kind: int) -> None:
+    def control(self, mesh_id: int, ranks: tuple[int, ...], call_id: int, kind: Control) -> None:
         for i, rs in self._by_host(mesh_id, ranks).items():
-            self._send(i, protocol.SignalWorkers(mesh_id, rs, call_id, kind))
+            self._send(i, protocol.SignalWorkers(mesh_id, rs, call_id, int(kind)))
 
     def mark_gone(self, mesh_id: int) -> None:
         self.local.store.set(groups.gone_key(mesh_id), b"1")

@@ -18,15 +18,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from monarch.runtime import groups, log, protocol
 from monarch.runtime.backends.base import Backend, LostCallback
-from monarch.runtime.backends.procs import WorkerProcs, clean_stale_dirs, fork_server, fork_server_pid, private_dir
-from monarch.runtime.backends.procs import proc_state as _proc_state
-from monarch.runtime.backends.store import StoreServer
-from monarch.runtime.backends.transport import ControllerTransport, PeerStalled
-from monarch.runtime.config import Settings
-from monarch.runtime.errors import exit_cause
-from monarch.runtime.shape import Shape
+from monarch.runtime.common import groups, log
+from monarch.runtime.common.config import Settings
+from monarch.runtime.common.errors import exit_cause
+from monarch.runtime.common.shape import Shape
+from monarch.runtime.procs.workers import WorkerProcs, clean_stale_dirs, fork_server, fork_server_pid, private_dir
+from monarch.runtime.procs.workers import proc_state as _proc_state
+from monarch.runtime.wire import protocol
+from monarch.runtime.wire.controller_end import ControllerTransport, PeerStalled
+from monarch.runtime.wire.protocol import Control
+from monarch.runtime.wire.store import StoreServer
 
 _log = log.get("backend")
 GOODBYE_WAIT = 5.0
@@ -137,7 +139,7 @@ class LocalBackend(Backend):
     def interrupt(self, mesh_id: int, ranks: tuple[int, ...], call_id: int) -> None:
         self.procs.interrupt(mesh_id, ranks, call_id)
 
-    def control(self, mesh_id: int, ranks: tuple[int, ...], call_id: int, kind: int) -> None:
+    def control(self, mesh_id: int, ranks: tuple[int, ...], call_id: int, kind: Control) -> None:
         self.procs.control(mesh_id, ranks, call_id, kind)
 
     def mark_gone(self, mesh_id: int) -> None:

@@ -16,17 +16,19 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from monarch.runtime import backends, log, protocol
-from monarch.runtime.backends.transport import HOLD
-from monarch.runtime.config import Settings, settings
+from monarch.runtime import backends
+from monarch.runtime.common import log
+from monarch.runtime.common.config import Settings, settings
+from monarch.runtime.common.errors import WorkerDiedError
+from monarch.runtime.common.shape import Shape, format_ranks
 from monarch.runtime.controller.debugger import DebugServer
 from monarch.runtime.controller.output import LineLabeller, OutputEvent
 from monarch.runtime.controller.progress import SpawnProgress, TerminalProgress
 from monarch.runtime.controller.receiving import Receiver
 from monarch.runtime.controller.state import PendingCall, SpawnedMesh
 from monarch.runtime.controller.stdin import StdinService
-from monarch.runtime.errors import WorkerDiedError
-from monarch.runtime.shape import Shape, format_ranks
+from monarch.runtime.wire import protocol
+from monarch.runtime.wire.hold import HOLD
 
 RELEASE_FIRST = 0.2
 """Seconds after a rank fails (while others still run the call) before the others are asked to leave a
@@ -98,15 +100,16 @@ class Controller:
         self.changed(mesh)
         return mesh
 
-    def attach(self, job_dir: Any, records: list) -> Any:
-        """The backend of a job's host agents (connected once per job; `records`: its agents)."""
+    def attach(self, job_dir: Any, records: list, why_ended: Callable[[], str] = lambda: "") -> Any:
+        """The backend of a job's host agents (connected once per job; `records`: its agents; `why_ended`:
+        why its hosts went, asked when one is lost)."""
         backend = self.jobs.get(job_dir.name)
         if backend is None or any(h.lost for h in backend.hosts):
             if backend is not None:
                 self.detach(job_dir.name)
             from monarch.runtime.backends.hosts import HostsBackend
 
-            backend = HostsBackend(self.backend, job_dir, self._on_lost)
+            backend = HostsBackend(self.backend, job_dir, self._on_lost, why_ended)
             backend.attach(records)
             self.jobs[job_dir.name] = backend
         return backend
@@ -216,14 +219,14 @@ class Controller:
                 pending.call_id,
                 format_ranks(list(busy)),
             )
-            pending.mesh.backend.control(pending.mesh.mesh_id, busy, pending.call_id, protocol.RELEASE)
+            pending.mesh.backend.control(pending.mesh.mesh_id, busy, pending.call_id, protocol.Control.RELEASE)
             # Across hosts a link between two workers is shut by one of its ends only (the one that accepted
             # it, or a sibling's on the same host): the ranks that already answered must shut theirs too.
             mesh = pending.mesh
             answered = tuple(r for r in pending.ranks if r in pending.replies)
             if answered and not pending.disconnected and mesh.backend.spans_hosts(mesh.mesh_id):
                 pending.disconnected = True
-                mesh.backend.control(mesh.mesh_id, answered, mesh.generation, protocol.DISCONNECT)
+                mesh.backend.control(mesh.mesh_id, answered, mesh.generation, protocol.Control.DISCONNECT)
         self._release_later(pending, RELEASE_AGAIN)
 
     def call_done(self, pending: PendingCall) -> None:
@@ -248,7 +251,7 @@ class Controller:
         for p, ranks in running:
             for r in ranks:
                 p.busy.pop(r, None)  # (an earlier answer would pass for this one)
-            mesh.backend.control(mesh.mesh_id, tuple(ranks), p.call_id, protocol.REPORT)
+            mesh.backend.control(mesh.mesh_id, tuple(ranks), p.call_id, protocol.Control.REPORT)
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and any(r not in p.busy for p, ranks in running for r in ranks):
             time.sleep(0.01)
@@ -262,7 +265,7 @@ class Controller:
         got = self.stack_replies[token] = {}
         try:
             if mesh.state == "running":
-                mesh.backend.control(mesh.mesh_id, ranks, token, protocol.STACKS)
+                mesh.backend.control(mesh.mesh_id, ranks, token, protocol.Control.STACKS)
                 deadline = time.monotonic() + wait
                 while len(got) < len(ranks) and time.monotonic() < deadline:
                     time.sleep(0.01)
@@ -280,7 +283,7 @@ class Controller:
                 traceback.print_exc(file=sys.__stderr__)
 
     def _print_stacks(self) -> None:
-        from monarch.runtime.stacks import StackReport, thread_stacks
+        from monarch.runtime.common.stacks import StackReport, thread_stacks
 
         for mesh in list(self.meshes.values()):
             if mesh.state == "running":

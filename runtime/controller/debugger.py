@@ -3,7 +3,7 @@
 A terminal can serve one prompt at a time, and a script's terminal is busy with the script's own output;
 so in a script (when `StdinService.prompt` is still the terminal) a worker's pdb prompt is handed to this
 server instead. It starts when the first rank pauses: it listens on a Unix socket in a private directory
-(`debugwire`), says once on stderr how to attach, and serves one client at a time from its own thread.
+(`wire/debug.py`), says once on stderr how to attach, and serves one client at a time from its own thread.
 The client lists the paused ranks, sends a pdb command to one or several of them, and sees their output
 (the terminal keeps getting all output too: the server taps the receiver's output delivery) until each
 rank is paused again, or runs on (`c`, or its call ended). The Jupyter kernel keeps its in-notebook pdb:
@@ -26,9 +26,10 @@ import threading
 import time
 from typing import Any
 
-from monarch.runtime import debugwire, log
+from monarch.runtime.common import log
 from monarch.runtime.controller.output import OutputEvent
 from monarch.runtime.controller.stdin import RESUME_COMMANDS, InputRequest
+from monarch.runtime.wire import debug as debugwire
 
 _log = log.get("debugger")
 

@@ -19,10 +19,11 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from monarch.runtime import protocol, wire
-from monarch.runtime.backends.transport import DROPPED, HOLD, MAIN, POKE
 from monarch.runtime.controller.output import OutputEvent
 from monarch.runtime.controller.stdin import InputRequest
+from monarch.runtime.wire import codec, protocol
+from monarch.runtime.wire.controller_end import DROPPED, POKE
+from monarch.runtime.wire.hold import HOLD, MAIN
 
 RX_HANDBACK = 0.01
 """Seconds after a waiting caller returns before the background thread receives again (output that
@@ -225,7 +226,7 @@ class Receiver:
         """A rank failed while others still run: if they go on (waiting for it in a collective, say), its
         traceback goes to the call's output, as `"error"` (the call's error shows it again when it ends)."""
         try:
-            info = wire.loads(env.body, env.buffers)
+            info = codec.loads(env.body, env.buffers)
         except Exception:
             return
         if info.exc_type != protocol.RELEASED:

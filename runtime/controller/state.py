@@ -8,9 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from monarch.runtime.common.errors import WorkerDiedError
+from monarch.runtime.common.shape import Shape
 from monarch.runtime.controller.output import OutputEvent
-from monarch.runtime.errors import WorkerDiedError
-from monarch.runtime.shape import Shape
 
 
 @dataclass
@@ -80,7 +80,7 @@ class PendingCall:
     next_hang_check: float = 0.0
     """`time.monotonic()` before which the hang watchdog does not look at it again."""
     disconnected: bool = False
-    """The ranks that had answered were asked to shut their groups' connections (`protocol.DISCONNECT`)."""
+    """The ranks that had answered were asked to shut their groups' connections (`protocol.Control.DISCONNECT`)."""
     busy: dict[int, Any] = field(default_factory=dict)
     """Rank -> its latest `protocol.Busy` report."""
     early_errors: list[tuple[Any, str]] = field(default_factory=list)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from monarch.runtime import protocol
+from monarch.runtime.wire import protocol
 
 
 @dataclass

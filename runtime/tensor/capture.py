@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from monarch.runtime.tensor import patches
-from monarch.runtime.tensor.engine import engine_for, flush
+from monarch.runtime.tensor import comms, patches
+from monarch.runtime.tensor.engine import capturing, engine_for, flush
 from monarch.runtime.tensor.handles import run
 
-capturing: contextvars.ContextVar[Any] = contextvars.ContextVar("monarch_capturing", default=None)
-"""The mesh view whose `activate()` is innermost on this thread, if any."""
-
-__all__ = ["activate", "capturing", "flush"]
+__all__ = ["activate", "capturing", "comms", "flush"]
+"""(`comms` is imported for its registration: the collectives of every `Tensor`.)"""
 
 
 class _Capture(TorchDispatchMode):
@@ -37,7 +33,7 @@ class _Capture(TorchDispatchMode):
 @contextlib.contextmanager
 def activate(mesh) -> Iterator[None]:
     """The capture modes for `mesh` (entered by `mesh.activate()`)."""
-    engine = engine_for(mesh._spawned)
+    engine = engine_for(mesh.spawned)
     patches.install(capturing)
     token = capturing.set(mesh)
     try:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from monarch.runtime.errors import cell_name
+from monarch.runtime.common.errors import cell_name
 from monarch.runtime.tensor.streams import Stream
 
 _RUNTIME = os.path.dirname(os.path.dirname(__file__))
@@ -59,7 +59,7 @@ issuer = threading.local()
 
 def check_same_mesh(what: Any, t: Any, mesh) -> None:
     """`t` used inside `mesh.activate()`: it must be on that mesh (the same workers of one spawned mesh)."""
-    if t._mesh is not mesh and (t._mesh._spawned is not mesh._spawned or t._mesh._shape.ranks != mesh._shape.ranks):
+    if t._mesh is not mesh and (t._mesh.spawned is not mesh.spawned or t._mesh._shape.ranks != mesh._shape.ranks):
         raise reject(
             f"{what}: a tensor on mesh {name_view(t._mesh, mesh)} used inside {name_view(mesh, t._mesh)}"
             ".activate(); a tensor is used only on the mesh that made it (move it there with t.to_mesh(that_mesh))"
@@ -71,8 +71,8 @@ def name_view(view, other) -> str:
     (two slices of one mesh), or its spawn number (two spawned meshes)."""
     text = view._shape.describe()
     if text == other._shape.describe():
-        if view._spawned is not other._spawned:
-            return f"{text} (spawned mesh #{view._spawned.mesh_id})"
+        if view.spawned is not other.spawned:
+            return f"{text} (spawned mesh #{view.spawned.mesh_id})"
         ranks = view._shape.ranks
         if list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
             return f"{text} (ranks {ranks[0]}-{ranks[-1]})"

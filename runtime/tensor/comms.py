@@ -8,13 +8,13 @@ import threading
 
 import torch
 
-from monarch.runtime import protocol as P
+from monarch.runtime.controller import SpawnedMesh
 from monarch.runtime.tensor import known as known_values
-from monarch.runtime.tensor.capture import capturing
 from monarch.runtime.tensor.checks import check_alive, check_same_mesh, check_stream, issuer, where
-from monarch.runtime.tensor.engine import engine_for
-from monarch.runtime.tensor.handles import Tensor, new_handle
+from monarch.runtime.tensor.engine import capturing, engine_for
+from monarch.runtime.tensor.handles import COLLECTIVES, Tensor, new_handle
 from monarch.runtime.tensor.streams import get_active_stream
+from monarch.runtime.wire import protocol as P
 
 
 def reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool = False) -> Tensor:
@@ -29,8 +29,8 @@ def reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool = False
     active = capturing.get()  # inside another mesh's activate(), a collective is the same mistake as `t + 1`
     if active is not None:
         check_same_mesh("reduce", t, active)
-    if mesh._spawned.state != "running":
-        check_alive("reduce", mesh._spawned)
+    if mesh.spawned.state != "running":
+        check_alive("reduce", mesh.spawned)
     dims_t = (dims,) if isinstance(dims, str) else tuple(dims)
     for d in dims_t:
         if d not in mesh.names:
@@ -57,7 +57,7 @@ def reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool = False
                 f"reduce: scatter over {size} ranks needs a leading dimension divisible by {size}, got {shape}"
             )
         out_shape = (shape[0] // size, *shape[1:]) if scatter else shape
-    engine = engine_for(mesh._spawned)
+    engine = engine_for(mesh.spawned)
     out = t if inplace else new_handle(engine, mesh, out_shape, t.dtype, t.device)
     if inplace:
         known_values.forget(t)
@@ -73,19 +73,17 @@ def to_mesh(t: Tensor, dst) -> Tensor:
     Between views of one spawned mesh the move uses that mesh's group; between two spawned meshes,
     a two-worker gloo link per pair, made on first use (through host memory on GPUs).
     """
-    from monarch.runtime.mesh import ProcMesh
-
     if not isinstance(t, Tensor):
         raise TypeError(f"to_mesh: needs a monarch.Tensor, got {type(t).__name__}")
-    if not isinstance(dst, ProcMesh):
+    if not isinstance(getattr(dst, "spawned", None), SpawnedMesh):  # (a ProcMesh: the layer above)
         raise TypeError(f"to_mesh: needs a ProcMesh to move to (from spawn_procs or a view of one), got {dst!r}")
     check_stream("to_mesh", t, get_active_stream())
     src = t._mesh
     if tuple(dst._shape.sizes) != tuple(src._shape.sizes):
         raise ValueError(f"to_mesh: shapes differ: {src._shape.describe()} -> {dst._shape.describe()}")
-    if dst._spawned is not src._spawned:
+    if dst.spawned is not src.spawned:
         return _to_other_mesh(t, src, dst)
-    engine = engine_for(src._spawned)
+    engine = engine_for(src.spawned)
     out = new_handle(engine, dst, tuple(t.shape), t.dtype, t.device)
     pairs = list(zip(src._shape.ranks, dst._shape.ranks))
     ranks = tuple(sorted(set(src._shape.ranks) | set(dst._shape.ranks)))
@@ -95,11 +93,11 @@ def to_mesh(t: Tensor, dst) -> Tensor:
 
 def _to_other_mesh(t: Tensor, src, dst) -> Tensor:
     for m in (src, dst):
-        if m._spawned.state != "running":
-            check_alive("to_mesh", m._spawned)
-    src_engine, dst_engine = engine_for(src._spawned), engine_for(dst._spawned)
+        if m.spawned.state != "running":
+            check_alive("to_mesh", m.spawned)
+    src_engine, dst_engine = engine_for(src.spawned), engine_for(dst.spawned)
     out = new_handle(dst_engine, dst, tuple(t.shape), t.dtype, t.device)
-    a, b = src._spawned.mesh_id, dst._spawned.mesh_id
+    a, b = src.spawned.mesh_id, dst.spawned.mesh_id
     links = [(s, d, f"{a}.{s}>{b}.{d}") for s, d in zip(src._shape.ranks, dst._shape.ranks)]
     at = where()
     with _MOVES:  # one order of moves on every mesh, or two threads moving crosswise deadlock the workers
@@ -173,3 +171,6 @@ def grad_generator(loss: Tensor, params, grad_outputs=None):
         worker.join()
         for h in handles:
             h.remove()
+
+
+COLLECTIVES.update(reduce=reduce, to_mesh=to_mesh)

@@ -8,6 +8,7 @@ call goes out, when `activate()` exits. Freed handles ride on the next batch, or
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import sys
 import threading
@@ -19,9 +20,9 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from monarch.runtime import protocol as P
-from monarch.runtime import wire
 from monarch.runtime.tensor.streams import Stream, get_active_stream
+from monarch.runtime.wire import codec
+from monarch.runtime.wire import protocol as P
 
 BATCH = 256
 """Commands kept before a batch is sent on its own."""
@@ -87,9 +88,9 @@ class Engine:
             if batch:
                 with torch.utils._python_dispatch._disable_current_modes():
                     try:
-                        body = wire.dumps(P.pack_commands(batch))
+                        body = codec.dumps(P.pack_commands(batch))
                     except Exception:  # some op's argument cannot be pickled: that op fails, not the batch
-                        body = wire.dumps(P.pack_commands([_sendable(cmd) for cmd in batch]))
+                        body = codec.dumps(P.pack_commands([_sendable(cmd) for cmd in batch]))
                 spawned.controller.send(spawned, to, P.RunOps(), body)
 
     def free(self, ref: int, stream_id: int, ranks: tuple[int, ...]) -> None:
@@ -103,7 +104,7 @@ class Engine:
 def _sendable(cmd: Any) -> Any:
     """`cmd`, or, if it cannot be pickled, a command that poisons its results with the reason."""
     try:
-        wire.dumps(P.pack_commands([cmd]))
+        codec.dumps(P.pack_commands([cmd]))
         return cmd
     except Exception as e:
         if type(cmd) is P.OnStream:
@@ -112,6 +113,10 @@ def _sendable(cmd: Any) -> Any:
             raise  # our own commands hold nothing unpicklable
         why = f"an argument of {cmd.name} cannot be sent to the workers: {type(e).__name__}: {e}"
         return P.FailResults(cmd.out, "TypeError", why, cmd.where)
+
+
+capturing: contextvars.ContextVar[Any] = contextvars.ContextVar("monarch_capturing", default=None)
+"""The mesh view whose `activate()` is innermost on this thread, if any."""
 
 
 def engine_for(spawned) -> Engine:
@@ -130,7 +135,7 @@ def engine_for(spawned) -> Engine:
 
 def flush(mesh) -> None:
     """Send what `mesh`'s engine holds, if it has one."""
-    engine = mesh._spawned.engine
+    engine = mesh.spawned.engine
     if engine is not None:
         engine.flush()
 

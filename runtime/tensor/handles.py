@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.utils._pytree import tree_map
 
-from monarch.runtime import protocol as P
-from monarch.runtime.op_schema import alias_plan, written_args
-from monarch.runtime.protocol import Ref
+from monarch.runtime.common.op_schema import alias_plan, written_args
 from monarch.runtime.tensor import known as known_values
 from monarch.runtime.tensor.checks import (
     check_alive,
@@ -30,6 +29,8 @@ from monarch.runtime.tensor.checks import (
 )
 from monarch.runtime.tensor.engine import Engine, engine_for
 from monarch.runtime.tensor.streams import MAIN, Borrow, Stream, get_active_stream
+from monarch.runtime.wire import protocol as P
+from monarch.runtime.wire.protocol import Ref
 
 
 class Tensor(torch.Tensor):
@@ -55,7 +56,7 @@ class Tensor(torch.Tensor):
         r._lent = []  # Borrows of this tensor (and its views) not yet dropped
         r._root = None  # for a view (or an in-place op's result): the handle that owns the memory
         r._value = None  # the value, where the controller knows it (see tensor_known)
-        r._engine_ref = weakref.ref(engine_for(mesh._spawned))
+        r._engine_ref = weakref.ref(engine_for(mesh.spawned))
         return r
 
     @property
@@ -97,7 +98,7 @@ class Tensor(torch.Tensor):
         """`t.data = other` (nn.Module.to and the like): `t` becomes `other`'s tensor on the workers too."""
         if value is self:
             return
-        if not isinstance(value, Tensor) or value._mesh._spawned is not self._mesh._spawned:
+        if not isinstance(value, Tensor) or value._mesh.spawned is not self._mesh.spawned:
             raise reject(
                 f"t.data = ...: needs a monarch.Tensor of the same mesh, got {type(value).__name__}; "
                 "to change the values, use `with torch.no_grad(): t.copy_(other)`"
@@ -106,7 +107,7 @@ class Tensor(torch.Tensor):
         _DATA.__set__(self, value)  # the controller's metadata
         self._meta, self._fake = value._meta, None
         self._root, self._value = (value._root if value._root is not None else value), value._value
-        engine_for(self._mesh._spawned).push(self._mesh._shape.ranks, P.Alias(self._ref, value._ref))
+        engine_for(self._mesh.spawned).push(self._mesh._shape.ranks, P.Alias(self._ref, value._ref))
 
     def reduce(self, dims: str | tuple[str, ...], reduction: str = "sum", scatter: bool = False) -> Tensor:
         """A collective over mesh dimension(s) `dims` of this tensor's mesh: the result on every worker.
@@ -114,25 +115,27 @@ class Tensor(torch.Tensor):
         `reduction` is sum, avg, max, min, product or stack (a new leading dimension: all-gather);
         `scatter=True` makes sum a reduce-scatter and stack an all-to-all.
         """
-        from monarch.runtime.tensor.comms import reduce  # a public shortcut into comms (marked)
-
-        return reduce(self, dims, reduction, scatter)
+        return COLLECTIVES["reduce"](self, dims, reduction, scatter)
 
     def reduce_(self, dims: str | tuple[str, ...], reduction: str = "sum", scatter: bool = False) -> Tensor:
         """In-place `reduce`: the result is written into this tensor on every worker."""
         if reduction == "stack" or scatter:
             raise ValueError(f"reduce_: {reduction!r} with scatter={scatter} changes the shape; use reduce()")
-        from monarch.runtime.tensor.comms import reduce  # a public shortcut into comms (marked)
-
-        reduce(self, dims, reduction, scatter, inplace=True)
+        COLLECTIVES["reduce"](self, dims, reduction, scatter, inplace=True)
         return self
 
     def to_mesh(self, dst: Any) -> Tensor:
         """This tensor moved worker to worker onto `dst`, a view of the same mesh with the same shape."""
-        from monarch.runtime.tensor.comms import to_mesh  # a public shortcut into comms (marked)
+        return COLLECTIVES["to_mesh"](self, dst)
 
-        return to_mesh(self, dst)
+    def _lend(self, to: Stream, mutable: bool) -> tuple[Tensor, Borrow]:
+        """`to.borrow(self, mutable)` (`Stream.borrow` calls it)."""
+        return borrow(to, self, mutable)
 
+
+COLLECTIVES: dict[str, Callable[..., Any]] = {}
+"""`reduce` and `to_mesh`, registered by `tensor.comms`, which builds on this module. `capture` imports
+comms, and a `Tensor` is made only inside `activate()`, so every tensor finds them."""
 
 _DATA = torch.Tensor.data  # the C descriptor behind `t.data`
 _BINARY = [
@@ -177,7 +180,7 @@ def _mesh_of(args, kwargs) -> Any:
 def run(mesh, func, args: tuple, kwargs: dict) -> Any:
     if mesh is None:
         raise reject(f"{func}: no mesh; ops on monarch tensors run inside `with mesh.activate():`")
-    spawned = mesh._spawned
+    spawned = mesh.spawned
     if spawned.state != "running":
         check_alive(func, spawned)
     engine = engine_for(spawned)
@@ -355,7 +358,7 @@ def borrow(to: Stream, t: Tensor, mutable: bool) -> tuple[Tensor, Borrow]:
             raise reject(f"borrow: this tensor is already {lent.describe()}; drop that borrow first")
     b = Borrow(t, to, mutable, where())
     mesh = t._mesh
-    engine = engine_for(mesh._spawned)
+    engine = engine_for(mesh.spawned)
     alias = Tensor(t._meta, engine.new_id(), mesh, stream=to)
     alias._borrow = b
     b.alias_ref = alias._ref

@@ -12,8 +12,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _device as torch_device
 
-from monarch.runtime import protocol as P
 from monarch.runtime.tensor.engine import engine_for
+from monarch.runtime.wire import protocol as P
 
 
 class CudaMeansCpu(TorchFunctionMode):
@@ -91,8 +91,8 @@ def install(capturing: contextvars.ContextVar) -> None:
     @functools.wraps(_local_manual_seed)
     def manual_seed(seed):
         mesh = capturing.get()
-        if mesh is not None and mesh._spawned.state == "running":
-            engine_for(mesh._spawned).push(mesh._shape.ranks, P.Seed(int(seed)))
+        if mesh is not None and mesh.spawned.state == "running":
+            engine_for(mesh.spawned).push(mesh._shape.ranks, P.Seed(int(seed)))
         return _local_manual_seed(seed)
 
     torch.manual_seed = manual_seed

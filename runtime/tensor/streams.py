@@ -41,9 +41,10 @@ class Stream:
 
     def borrow(self, t: Any, mutable: bool = False) -> tuple[Any, Borrow]:
         """Lend tensor `t` (made on another stream) to this stream: returns `(t_on_this_stream, borrow)`."""
-        from monarch.runtime.tensor.handles import borrow  # a public shortcut into handles (marked)
-
-        return borrow(self, t, mutable)
+        lend = getattr(type(t), "_lend", None)  # (a monarch.Tensor lends itself: `handles.borrow`)
+        if lend is None:
+            raise TypeError(f"borrow: needs a monarch.Tensor (made inside mesh.activate()), got {type(t).__name__}")
+        return lend(t, self, mutable)
 
     def __repr__(self) -> str:
         return f"Stream({self.name!r})"

@@ -1,6 +1,6 @@
 """Measurements for `monarch.Simulator.calibrate()`, run on every worker of a real mesh at once (so that
 workers sharing cores measure what they get when they all run). Collectives are measured from the
-controller, through the tensor engine (`monarch.runtime.calibrate`).
+controller, through the tensor engine (`monarch.runtime.simulator.calibration`).
 
 Commands go through the tensor engine's own worker half (decoding a pickled batch, the handler table,
 the reduce with its failure check), so the per-command costs are the ones a real program pays.
@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from monarch.runtime import protocol as P
-from monarch.runtime import wire
-from monarch.runtime.protocol import Ref
+from monarch.runtime.wire import codec
+from monarch.runtime.wire import protocol as P
+from monarch.runtime.wire.protocol import Ref
 from monarch.runtime.worker.engine import commands
 from monarch.runtime.worker.engine.streams import sync_streams
 from monarch.runtime.worker.engine.table import table
@@ -57,11 +57,11 @@ def _repeats(fn, sync, seconds: float = 0.1) -> int:
 
 
 def _batch(cmds: list) -> list:
-    return wire.dumps(P.pack_commands(cmds))
+    return codec.dumps(P.pack_commands(cmds))
 
 
 def _run(frames: list) -> None:
-    commands.run(P.unpack_commands(wire.loads(frames[0], frames[1:])))
+    commands.run(P.unpack_commands(codec.loads(frames[0], frames[1:])))
 
 
 def measure(n_ops: int = 1000, quick: bool = False) -> dict:
@@ -81,7 +81,7 @@ def measure(n_ops: int = 1000, quick: bool = False) -> dict:
         side = _batch([side_cmd] * n_ops)
         out["side_enqueue"] = _median(lambda: _run(side), rep) / n_ops
         # of which decoding the batch (done for all of it before its first command runs)
-        out["decode"] = _median(lambda: P.unpack_commands(wire.loads(side[0], side[1:])), rep) / n_ops
+        out["decode"] = _median(lambda: P.unpack_commands(codec.loads(side[0], side[1:])), rep) / n_ops
         sync_streams()
         out["side_total"] = _median(lambda: (_run(side), sync_streams()), rep) / n_ops
         # compute and memory rates, straight torch (the ops a model issues are as fast as torch's)

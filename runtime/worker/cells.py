@@ -19,7 +19,7 @@ import sys
 import tokenize
 from typing import Any
 
-from monarch.runtime import context
+from monarch.runtime.common import context
 
 _namespace: dict[str, Any] | None = None
 _compiled: dict[tuple[str, str], tuple[Any, Any]] = {}

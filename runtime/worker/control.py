@@ -27,8 +27,9 @@ import traceback
 from types import CodeType, FrameType, TracebackType
 from typing import Any
 
-from monarch.runtime import log, protocol
-from monarch.runtime.stacks import thread_stacks, where
+from monarch.runtime.common import log
+from monarch.runtime.common.stacks import thread_stacks, where
+from monarch.runtime.wire import protocol
 
 _log = log.get("worker")
 _REQUEST = struct.Struct("<qqq")
@@ -67,7 +68,7 @@ class Control:
         from monarch.runtime.worker import groups
 
         w = self.worker
-        if kind == protocol.STACKS:  # (its "call id" is the request's number)
+        if kind == protocol.Control.STACKS:  # (its "call id" is the request's number)
             threads = thread_stacks(skip=threading.get_ident())
             if threads and threads[0][0] == "MainThread":
                 if w.call_id is None:
@@ -76,14 +77,14 @@ class Control:
                     threads[0] = ("MainThread", [("in monarch's runtime, starting or ending a call", "")])
             w.send(protocol.Stacks(call_id, threads))
             return
-        if kind == protocol.DISCONNECT:  # (its "call id" is the groups' generation the request is for)
+        if kind == protocol.Control.DISCONNECT:  # (its "call id" is the groups' generation the request is for)
             if groups.current is not None:
                 groups.current.release_generation(call_id)
             return
         if call_id and w.call_id != call_id:
             return  # that call is over here (the request crossed its reply)
         collective, where = describe(sys._current_frames().get(self.main))
-        if kind == protocol.RELEASE and collective and w.released is None and groups.current is not None:
+        if kind == protocol.Control.RELEASE and collective and w.released is None and groups.current is not None:
             self._release(call_id, collective, where)
         else:
             w.send(protocol.Busy(w.call_id, where, collective))
@@ -109,7 +110,7 @@ class Control:
         deadline = time.monotonic() + wait
         while True:
             _, asked, kind = _REQUEST.unpack_from(self.slots, self.offset)
-            if asked == call_id and kind == protocol.RELEASE:
+            if asked == call_id and kind == protocol.Control.RELEASE:
                 self._release(call_id, collective, where)
                 return True
             if time.monotonic() > deadline:
@@ -122,8 +123,8 @@ def name_groups(made: list[Any]) -> list[str]:
     (a group, or a DeviceMesh holding it), else their ranks."""
     import torch.distributed as dist
 
-    from monarch.runtime import context
-    from monarch.runtime.shape import format_ranks
+    from monarch.runtime.common import context
+    from monarch.runtime.common.shape import format_ranks
 
     holders: dict[int, str] = {}
     for name, value in list((context.cell_namespace or {}).items()):

@@ -1,6 +1,6 @@
 """A worker's torch.distributed groups, as one object.
 
-The mesh's default group is made at start through the controller's store (`backends/store.py`).
+The mesh's default group is made at start through the controller's store (`wire/store.py`).
 Groups for mesh dimensions are made on the controller's order (`protocol.MakeGroups`), on every worker
 in the same order. Streams other than main get copies of their own (collectives of two streams over one
 group would be paired up in whatever order each worker's threads reach them); moves get two-worker
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from monarch.runtime import groups as shared
+from monarch.runtime.common import groups as shared
 
 current: Groups | None = None
 """This worker's groups (set at start)."""
@@ -259,7 +259,7 @@ def peer_sockets() -> list[int]:
     end belongs to a sibling (another worker forked by the same parent, on this host), and those accepted by
     its own listeners bound to one address (gloo's; workers on other hosts connected to them). A rank on
     another host whose connection to this one was accepted there is shut by that rank (every rank of the
-    call is asked: `protocol.DISCONNECT`). A user's connections elsewhere and a server on all interfaces
+    call is asked: `protocol.Control.DISCONNECT`). A user's connections elsewhere and a server on all interfaces
     are left alone."""
     parent, me = os.getppid(), os.getpid()
     siblings = []

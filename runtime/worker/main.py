@@ -24,7 +24,7 @@ def run(cfg: Any) -> None:
     os.setsid()  # terminal Ctrl-C goes to the controller, which forwards interrupts
     name_process(f"monarch worker {cfg.label} mesh {cfg.keys.mesh_id}", f"monarch {cfg.label}")
     os.environ.update(cfg.env)
-    from monarch.runtime import log
+    from monarch.runtime.common import log
 
     log.configure(f"worker {cfg.label}", worker=True)  # (MONARCH_LOG came with the controller's environment)
     os.chdir(cfg.cwd)

@@ -56,13 +56,13 @@ from typing import Any
 
 import torch
 
-from monarch.runtime import context
+from monarch.runtime.common import context
 
 ENABLED = ("all", "state")
 FORMAT = "monarch-cpu-memory"
 _MARK = "monarch-op@"
 """Names the range a tensor-engine command runs in while memory is recorded; the controller's line follows
-(`monarch.runtime.memory.MARK` reads it on the controller)."""
+(`monarch.runtime.tools.memory.MARK` reads it on the controller)."""
 _WORKER = os.path.dirname(os.path.abspath(__file__)) + os.sep
 """The worker's own code: live functions, cells and tensor commands are called from it (frames further out
 are the worker's start-up)."""
@@ -181,7 +181,7 @@ def _snapshot() -> dict:
 
 def _check_no_profile() -> None:
     running = (
-        sys.modules.get(m) for m in ("monarch.runtime.worker.engine.profiling", "monarch.runtime.worker.profiling")
+        sys.modules.get(m) for m in ("monarch.runtime.worker.engine.profiler", "monarch.runtime.worker.profiling")
     )
     if any(getattr(m, "_prof", None) is not None for m in running):
         raise UsageError(
@@ -404,7 +404,7 @@ def _controller_frame(where: str) -> dict:
 
 
 def _register() -> None:
-    from monarch.runtime.worker.engine import profiling
+    from monarch.runtime.worker.engine import profiler as profiling
 
     if _profiler_blocked not in profiling.blockers:
         profiling.blockers.append(_profiler_blocked)

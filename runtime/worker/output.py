@@ -11,7 +11,7 @@ import sys
 import threading
 from typing import Any
 
-from monarch.runtime import protocol
+from monarch.runtime.wire import protocol
 
 
 class Output:

@@ -23,10 +23,11 @@ from typing import Any
 import cloudpickle
 import torch
 
-from monarch.runtime import context, log, protocol, wire
-from monarch.runtime.backends.store import store_client
-from monarch.runtime.backends.transport import WorkerTransport
-from monarch.runtime.shape import Shape
+from monarch.runtime.common import context, log
+from monarch.runtime.common.shape import Shape
+from monarch.runtime.wire import codec, protocol
+from monarch.runtime.wire.store import store_client
+from monarch.runtime.wire.worker_end import WorkerTransport
 from monarch.runtime.worker import groups, stdin
 from monarch.runtime.worker.control import Control
 from monarch.runtime.worker.engine import commands as engine
@@ -36,6 +37,16 @@ _log = log.get("worker")
 
 current: Worker | None = None
 """This process's worker (code running on it can send output and ask for input through it)."""
+
+
+HANDLERS: dict[type, str] = {
+    protocol.Call: "_call",
+    protocol.MakeGroups: "_make_groups",
+    protocol.RunOps: "_run_ops",
+    protocol.StdinReply: "_late_stdin",
+    protocol.ReformGroups: "_reform_groups",
+}
+"""A worker's handler per message type (`Exit` ends its loop); anything else is answered by `_unsupported`."""
 
 
 class Worker:
@@ -51,7 +62,7 @@ class Worker:
         self.views: dict[tuple, context.CallView] = {}
         """This worker's coordinates in each mesh view it was called on."""
         self.output = Output(self)
-        self.backlog: collections.deque[wire.Envelope] = collections.deque()
+        self.backlog: collections.deque[codec.Envelope] = collections.deque()
         """Commands that arrived while user code waited for stdin; served next."""
         self._input_ids = itertools.count(1)
         self.in_debugger = False
@@ -62,13 +73,7 @@ class Worker:
         """(collective, where) when the control thread released this call from a collective."""
         self.cancelled: set[int] = set()
         """Calls interrupted before they started here (this worker was busy with another call)."""
-        self.handlers = {
-            protocol.Call: self._call,
-            protocol.MakeGroups: self._make_groups,
-            protocol.RunOps: self._run_ops,
-            protocol.StdinReply: self._late_stdin,
-            protocol.ReformGroups: self._reform_groups,
-        }
+        self.handlers = {kind: getattr(self, name) for kind, name in HANDLERS.items()}
         signal.signal(signal.SIGINT, self._on_sigint)
         global current
         current = self
@@ -143,27 +148,37 @@ class Worker:
             handler = handlers.get(kind)
             try:
                 if handler is None:
-                    raise TypeError(f"no handler for {kind.__name__} on a worker")
+                    self._unsupported(env.message)
+                    continue
                 handler(env)
             except Exception:  # a bug of ours: report it, keep serving
                 traceback.print_exc()
         _log.info("exiting, as the controller asked")
         self._close(goodbye=True)
 
-    def _make_groups(self, env: wire.Envelope) -> None:
+    def _unsupported(self, message: Any) -> None:
+        """A message no handler takes: a request (it has a `call_id`) is answered with an error, so that its
+        caller raises instead of waiting; anything else is a bug of ours, said on stderr."""
+        why = f"no handler for {type(message).__name__} on a worker (it handles {', '.join(sorted(c.__name__ for c in self.handlers))}, Exit)"
+        call_id = getattr(message, "call_id", None)
+        if call_id is None:
+            raise TypeError(why)
+        self.transport.send(protocol.Reply(call_id, False), codec.dumps(protocol.ErrorInfo("TypeError", why, "")))
+
+    def _make_groups(self, env: codec.Envelope) -> None:
         groups.current.create(env.message.gid, env.message.partition)
         self.output.flush()  # what it printed belongs to no call: send it before the next one starts
 
-    def _run_ops(self, env: wire.Envelope) -> None:
-        engine.run(protocol.unpack_commands(wire.loads(env.body, env.buffers)))
+    def _run_ops(self, env: codec.Envelope) -> None:
+        engine.run(protocol.unpack_commands(codec.loads(env.body, env.buffers)))
         self.output.flush()
 
-    def _reform_groups(self, env: wire.Envelope) -> None:
+    def _reform_groups(self, env: codec.Envelope) -> None:
         groups.current.reform(env.message.generation)
         _log.info("process groups re-formed (generation %d)", env.message.generation)
         self.output.flush()
 
-    def _late_stdin(self, env: wire.Envelope) -> None:
+    def _late_stdin(self, env: codec.Envelope) -> None:
         pass  # an answer to a prompt given up on (the call was interrupted): nobody waits for it
 
     def request_input(self, prompt: str, password: bool = False) -> str:
@@ -207,7 +222,7 @@ class Worker:
         self.transport.close()
 
     # -- live functions ----------------------------------------------------------------------------
-    def _call(self, env: wire.Envelope) -> None:
+    def _call(self, env: codec.Envelope) -> None:
         msg: protocol.Call = env.message
         call_id = msg.call_id
         if engine.streams_running():
@@ -236,7 +251,7 @@ class Worker:
             fn = self.fns[msg.fid]
             if isinstance(fn, BaseException):
                 raise RuntimeError(f"this function could not be loaded on this worker: {type(fn).__name__}: {fn}")
-            args, kwargs = wire.loads(env.body, env.buffers)
+            args, kwargs = codec.loads(env.body, env.buffers)
             if call_id in self.cancelled:  # (after keeping the function: later calls rely on it)
                 raise KeyboardInterrupt("interrupted before it started")
             self.in_user_code = True
@@ -257,17 +272,17 @@ class Worker:
             body = _NONE
         elif ok:
             try:
-                body = wire.dumps(value)
+                body = codec.dumps(value)
             except Exception as e:
                 ok, value = False, _describe(e, f"the result ({type(value).__name__}) cannot be pickled: ")
         _log.debug("call %d done (%s)", call_id, "ok" if ok else "failed")
         self.output.flush()
-        self._send(protocol.Reply(call_id, ok), body if ok else wire.dumps(value))
+        self._send(protocol.Reply(call_id, ok), body if ok else codec.dumps(value))
         self.call_id = None
         self.cancelled.discard(call_id)
 
 
-_NONE = wire.dumps(None)
+_NONE = codec.dumps(None)
 RELEASED = protocol.RELEASED
 
 _HERE = os.path.dirname(__file__)

@@ -1,6 +1,6 @@
 """A job's workspace on a worker: after a sync, the modules whose files changed are reloaded.
 
-Runs on the worker (called by reference: `monarch.runtime.jobs` names it). The workspace is on the
+Runs on the worker (called by reference: `monarch.runtime.slurm.jobs` names it). The workspace is on the
 worker's `sys.path` (its host agent's copy); a module imported from it before the sync has the old code
 until reloaded here.
 """

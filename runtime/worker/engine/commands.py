@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 
-from monarch.runtime import protocol as P
-from monarch.runtime.op_schema import written_args
-from monarch.runtime.protocol import Ref
-from monarch.runtime.worker.engine import comms, profiling, streams
+from monarch.runtime.common.op_schema import written_args
+from monarch.runtime.wire import protocol as P
+from monarch.runtime.wire.protocol import Ref
+from monarch.runtime.worker.engine import comms, streams
+from monarch.runtime.worker.engine import profiler as profiling
 from monarch.runtime.worker.engine.table import Poison, resolve, store, table
 
 _ops: dict[str, Any] = {}

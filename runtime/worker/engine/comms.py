@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from monarch.runtime import context
-from monarch.runtime import protocol as P
+from monarch.runtime.common import context
+from monarch.runtime.wire import protocol as P
 from monarch.runtime.worker import groups
 from monarch.runtime.worker.engine.streams import current_sid
 from monarch.runtime.worker.engine.table import Poison, on_device, table

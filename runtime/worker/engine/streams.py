@@ -9,7 +9,7 @@ import traceback
 
 import torch
 
-from monarch.runtime import context
+from monarch.runtime.common import context
 
 _streams: dict[int, _StreamThread] = {}
 here = threading.local()

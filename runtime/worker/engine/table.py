@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from monarch.runtime import context
-from monarch.runtime.protocol import Ref
+from monarch.runtime.common import context
+from monarch.runtime.wire.protocol import Ref
 from monarch.runtime.worker.engine.streams import sync_streams
 
 table: dict[int, Any] = {}

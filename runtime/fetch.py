@@ -1,0 +1,77 @@
+"""Getting values back from the workers: `monarch.inspect`, `monarch.fetch_shard`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from monarch.runtime.remote import RemoteFunction
+from monarch.runtime.tensor.checks import check_alive
+from monarch.runtime.tensor.engine import flush
+from monarch.runtime.tensor.handles import Tensor
+from monarch.runtime.values import ValueMesh
+
+
+def _rank_for(t: Tensor, coords: dict[str, int]) -> Any:
+    view = t._mesh
+    if coords:
+        view = view.slice(**coords)
+    return view.slice(**{d: 0 for d in view.names}) if view.names else view
+
+
+def fetch_shard(t: Tensor, **coords: int):
+    """A future for the value of `t` on the worker at `coords` (default: the first)."""
+    return Shard(_fetch(t, "fetch_shard", lambda view: _rank_for(t, coords)))
+
+
+def inspect_all(t: Tensor) -> ValueMesh:
+    """The value of `t` on every worker of its mesh, as local tensors, in one round trip (for views that
+    let the user pick a rank)."""
+    call = _fetch(t, "inspect_all", lambda view: view)
+    with torch.utils._python_dispatch._disable_current_modes():
+        return call.result()
+
+
+def _fetch(t: Tensor, what: str, target_of):
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{what}: needs a monarch.Tensor, got {type(t).__name__}")
+    if t._mesh.spawned.state != "running":
+        check_alive("inspect", t._mesh.spawned)
+    b = (t._root if t._root is not None else t)._borrow
+    if b is not None and b.dropped:
+        raise TypeError(
+            f"inspect: a borrowed tensor used after its borrow was dropped (borrowed at {b.where}, dropped at "
+            f"{b.dropped_at}); inspect the original tensor instead"
+        )
+    flush(t._mesh)
+    target = target_of(t._mesh)
+    with torch.utils._python_dispatch._disable_current_modes():
+        fetch = RemoteFunction.by_name("monarch.runtime.worker.engine.table", "fetch", target)
+        return fetch.start((t._ref,), {}, name="fetching a tensor")
+
+
+class Shard:
+    """One worker's value of a tensor, on its way: `result()` waits for it and returns a local tensor
+    (or raises the worker's error); `await` works too."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def done(self) -> bool:
+        return self._call.done()
+
+    def result(self, timeout: float | None = None) -> torch.Tensor:
+        with torch.utils._python_dispatch._disable_current_modes():
+            return next(iter(self._call.result(timeout)))
+
+    get = result
+
+    def __await__(self):
+        yield from self._call.__await__()
+        return self.result()
+
+
+def inspect(t: Tensor, **coords: int) -> torch.Tensor:
+    """The value of `t` on the worker at `coords` (default: the first), as a local tensor."""
+    return fetch_shard(t, **coords).result()

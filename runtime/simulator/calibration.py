@@ -1,0 +1,479 @@
+"""`monarch.Simulator.calibrate()`: measure this machine and save a `DeviceProfile` for the simulator.
+
+On a machine with a GPU it measures the GPU (one worker per GPU); otherwise its CPU with `workers`
+workers, all measuring at once, so that workers sharing cores see what they get in a real run of that
+many. Measured: the per-command cost of the tensor engine's worker half on the main stream and on a side
+stream, matmul FLOP/s, memory bandwidth, a whole-mesh reduce of a small and a large tensor (fitted to the
+ring model's α and β) and of one element (gloo's ring skips empty segments), a reduce over one rank (the
+engine's own work per reduce), decoding a batch, each op of a small training step on tiny tensors (its
+overhead beyond a tiny add's; with its gradients reduced as they come, on the main stream and on a side
+stream, what the ops after and beside a reduce lose; when its batch starts and its loss comes back), and
+the controller's round trip for a fetched value; on a CPU also how compute and a reduce
+that overlap slow each other down, what a hand-over between a worker's threads costs, and how much the
+controller's Python and the workers slow each other down when they run at once (as they do while the
+controller issues a step). What cannot be measured on one machine (links between hosts) is derived: twice
+the latency, half the bandwidth of the local links.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from monarch.runtime.mesh import this_host
+from monarch.runtime.remote import RemoteFunction
+from monarch.runtime.simulator import devices
+from monarch.runtime.simulator.devices import DeviceProfile
+from monarch.runtime.tensor.engine import flush
+
+WORKER = "monarch.runtime.worker.calibration"
+SMALL = 256
+"""Floats in the small reduce (its time is mostly latency)."""
+
+
+def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bool = False) -> DeviceProfile:
+    """Measure, save (to `path`, default this machine's profile) and return the profile."""
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ValueError(f"calibrate: workers must be a positive integer, got {workers!r}")
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n = gpus or workers
+    print(f"monarch.Simulator.calibrate: measuring {n} {'GPU' if gpus else 'CPU'} worker(s)…", file=sys.stderr)
+    mesh = this_host().spawn_procs({"gpu": n})
+    try:
+        per_rank = list(RemoteFunction.by_name(WORKER, "measure", mesh).call_async(quick=quick).result())
+        rtt = _round_trip(mesh)
+        shared_cores = n > 1 and not gpus  # (CPU workers: compute, reduces and threads contend; gloo's ring)
+        comm = [_engine_reduces(mesh, rtt, quick, one_element=shared_cores)] if n > 1 else []
+        handoff = _handoff(mesh, quick) if shared_cores else 0.0
+        slowdown = 1.0 if gpus else _controller_slowdown(mesh, quick)
+        load = _controller_load(mesh, rtt, quick) if shared_cores else 1.0
+        one_rank = _one_rank_reduce(mesh, rtt, quick)
+        in_program, extra, after_reduce, beside_reduce, ends = _sample_step_costs(
+            mesh, quick, "cuda" if gpus else "cpu"
+        )
+    finally:
+        mesh.exit()
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in per_rank)
+
+    flops = statistics.median(max(v for k, v in r.items() if k.startswith("matmul")) for r in per_rank)
+    enqueue = med("side_enqueue")
+    decode = min(med("decode"), enqueue)
+    side_op = max(med("side_total") - enqueue, 1e-7)
+    main_op = med("main_op")
+    reduce_overhead = max(one_rank - main_op, 0.0)  # (the engine's own work per reduce, beyond a command's)
+    base = devices.DEVICES["h100" if gpus else "cpu"]
+    intra_lat, intra_bw = base.intra_latency, base.intra_bw
+    if comm:
+        small = statistics.median(c[str(SMALL)] for c in comm)
+        large = statistics.median(c[str(1 << 18)] for c in comm)
+        steps = 2 * (n - 1)
+        # a reduce is its command's cost and the engine's own work plus a ring all-reduce; what the small one
+        # costs beyond those is latency, what the large one costs beyond the small one is bandwidth
+        intra_lat = max(small - main_op - reduce_overhead, 1e-7) / steps
+        nbytes = 4 * ((1 << 18) - SMALL)
+        intra_bw = (2 * (n - 1) / n) * nbytes / max(large - small, 1e-9)
+    name = f"{socket.gethostname()}-{'gpu' if gpus else 'cpu'}"
+    profile = DeviceProfile(
+        name=name,
+        kind="gpu" if gpus else "cpu",
+        flops={"float32": flops, "default": flops},
+        mem_bw=med("mem_bw"),
+        efficiency=1.0,  # (measured on matmuls: already what they reach)
+        # (an op in a program costs more than one of a loop of the same op: a tiny add_ 2-4 times as much, on a
+        # CPU and on a GPU; the loop's figure is the floor)
+        op_overhead=max(in_program, side_op if gpus else main_op - enqueue, 1e-7),
+        dispatch=max(enqueue - decode, 1e-7),  # (decoding is charged when a batch arrives)
+        intra_latency=intra_lat,
+        intra_bw=intra_bw,
+        inter_latency=2 * intra_lat,
+        inter_bw=intra_bw / 2,
+        # (in a step on busy cores a batch takes longer to start, and a value to come back, than on idle ones)
+        wire_latency=max(ends[0] - ends[2] * decode, rtt / 2) if ends else rtt / 2,
+        fetch_latency=max(ends[1], rtt / 2) if ends else 0.0,
+        controller_slowdown=slowdown,
+        controller_load=load,
+        compute_contention=med("contention_compute") if shared_cores else 1.0,
+        comm_contention=med("contention_comm") if shared_cores else 1.0,
+        handoff=handoff,
+        after_reduce=after_reduce,
+        beside_reduce=beside_reduce,
+        decode=decode,
+        reduce_floor=statistics.median(c["1"] for c in comm) if shared_cores else 0.0,
+        op_extra=extra,
+        reduce_overhead=reduce_overhead,
+        memory=base.memory if gpus else 0,
+        alloc_round=base.alloc_round if gpus else 1,
+        source=f"calibrated on {socket.gethostname()} with {n} workers, {datetime.date.today().isoformat()}",
+        measured={
+            "workers": n,
+            "cores": os.cpu_count(),
+            "per_rank": per_rank,
+            "collectives": comm,
+            "round_trip": rtt,
+            "one_rank_reduce": one_rank,
+            "step_ends": ends,
+        },
+    )
+    out = Path(path) if path is not None else devices.local_profile_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(profile.to_json())
+    print(f"monarch.Simulator.calibrate: saved {out}", file=sys.stderr)
+    return profile
+
+
+def _engine_reduces(mesh, rtt: float, quick: bool, one_element: bool) -> dict:
+    """Seconds per whole-mesh `reduce_("sum")` of 256 and 2**18 floats, and of 1 if `one_element` (gloo's ring
+    is quicker for a tensor of fewer elements than two per rank, such as a small layer's bias: the
+    one-element time bounds that),
+    issued through the tensor engine as a program issues them (back to back, then a fetch), the
+    controller's issuing and the round trip taken out."""
+    import torch
+
+    from monarch.runtime.fetch import inspect
+
+    k, runs = (8, 2) if quick else (16, 9)  # (a step's reduces cost what these say: many runs, the median)
+    dim = mesh.names[0]
+    out = {}
+    for n in (1, SMALL, 1 << 18) if one_element else (SMALL, 1 << 18):
+        with mesh.activate():
+            t = torch.ones(n)
+            t.reduce_(dim, "sum")
+        inspect(t)  # (warm)
+        out[str(n)] = statistics.median(_per_reduce(mesh, t, k, rtt) for _ in range(runs))
+    return out
+
+
+def _per_reduce(mesh, t, k: int, rtt: float) -> float:
+    """Seconds per whole-mesh `reduce_("sum")` of `t`: `k` of them back to back, then a fetch; the
+    controller's issuing and the round trip taken out."""
+    from monarch.runtime.fetch import inspect
+
+    with mesh.activate():
+        for _ in range(k):
+            t.reduce_(mesh.names[0], "sum")
+    issued = time.perf_counter()
+    inspect(t)
+    return max(time.perf_counter() - issued - rtt, 0.0) / k
+
+
+def _one_rank_reduce(mesh, rtt: float, quick: bool) -> float:
+    """Seconds per `reduce_` over a group of one rank (the first): no ring, only the engine's own work (its
+    failure flag's collective, the process group's, on a GPU the wait for the flag) and the command's."""
+    import torch
+
+    from monarch.runtime.fetch import inspect
+
+    k, runs = (16, 3) if quick else (32, 5)  # (a few reduces' time less a noisy round trip can read as none)
+    dim = mesh.names[0]
+    one = mesh.slice(**{dim: range(0, 1)})
+    with one.activate():
+        t = torch.ones(1)
+        t.reduce_(dim, "sum")
+    inspect(t)  # (warm: the group of one)
+    return statistics.median(_per_reduce(one, t, k, rtt) for _ in range(runs))
+
+
+def _sample_step_costs(mesh, quick: bool, device: str) -> tuple[float, dict[str, float], float, float, list | None]:
+    """Seconds a tiny `add_` takes inside a small training step, what each other op of the step costs beyond
+    it, by op name (`op_extra`), what the ops after a reduce lose (`after_reduce`) and beside one on a side
+    stream (`beside_reduce`), and how the step's batch arrives and its loss returns (`_ends`).
+
+    The step (embedding, layer norm, attention, an MLP, cross entropy, autograd, an update) runs through the
+    engine on tiny tensors, so that an op's time is its overhead: ATen's dispatch, on a GPU its launches.
+    Each command is timed on every worker as it runs (the engine's `around` hook). An op's figure is its
+    mean over all (on shared cores a worker is sometimes put off the core mid-op, and a step pays for
+    that too). Then, on a mesh of several workers, the same step reduces each gradient as `grad_generator`
+    gives it (the tutorial's step): what the ops between two reduces take beyond those figures, per reduce,
+    is `after_reduce`; and once more with each reduce on a side stream, dropped after the next gradient
+    (the tutorial's variant 3): what the step's ops take beyond those figures, per reduce, is
+    `beside_reduce`."""
+    import torch
+
+    from monarch.runtime.fetch import inspect
+    from monarch.runtime.tensor.comms import grad_generator
+    from monarch.runtime.tensor.streams import Stream
+
+    with mesh.activate():
+        torch.manual_seed(0)
+        model = _sample_model().to(device)
+        params = list(reversed(list(model.parameters())))
+    dim = mesh.names[0]
+
+    marks: list[tuple[float, float, float]] = []
+    """Per step: the controller's clock at its start, when it had issued it, when it had the loss."""
+
+    side = Stream("calibrate-comms")
+
+    def step(reduce: str) -> None:
+        t0 = time.perf_counter()
+        with mesh.activate():
+            x = torch.randint(0, 32, (2, 6), device=device)
+            loss = model(x, x.roll(1, 1))
+            with torch.no_grad():
+                if reduce == "side":  # the tutorial's variant 3: each reduce runs beside the next gradient
+                    it = iter(
+                        (p, g, *side.borrow(g, mutable=True)) for p, g in zip(params, grad_generator(loss, params))
+                    )
+                    todo = next(it, None)
+                    while todo is not None:
+                        p, g, alias, borrow = todo
+                        with side.activate():
+                            alias.reduce_(dim, "sum")
+                        todo = next(it, None)
+                        borrow.drop()
+                        p.add_(g * -0.01)
+                else:
+                    for p, g in zip(params, grad_generator(loss, params)):
+                        if reduce == "main":
+                            g.reduce_(dim, "sum")
+                        p.add_(g * -0.01)
+        issued = time.perf_counter()
+        inspect(loss)
+        marks.append((t0, issued, time.perf_counter()))
+
+    def timed(reduce: str) -> list:
+        step(reduce)  # (warm)
+        RemoteFunction.by_name(WORKER, "time_ops", mesh).call_async().result()
+        marks.clear()
+        try:
+            for _ in range(3 if quick else 10):
+                step(reduce)
+        finally:
+            per_rank = list(RemoteFunction.by_name(WORKER, "timed_ops", mesh).call_async().result())
+        return per_rank
+
+    times: dict[str, list[float]] = {}
+    for per_rank in timed("none"):
+        for name, start, end in per_rank:
+            times.setdefault(name, []).append(end - start)
+    mean = {name: statistics.fmean(ts) for name, ts in times.items()}
+    base = mean["aten::add_.Tensor"]
+    extra = {
+        name: t - base for name, t in sorted(mean.items()) if name.startswith("aten::") and name != "aten::add_.Tensor"
+    }
+    if len(mesh) == 1 or device != "cpu":
+        return base, extra, 0.0, 0.0, None
+    per_rank = timed("main")
+    main_marks = list(marks)
+    lost = [  # per gap between two of a step's reduces: what its ops lost
+        sum(e - st - mean.get(name, e - st) for name, st, e in gap)
+        for cmds in per_rank
+        for step_cmds in _by_step(cmds, main_marks)
+        for gap in _between_reduces(step_cmds)
+    ]
+    # beside a side stream's reduces: what a step's ops (all on main) lost, per reduce
+    beside = [
+        sum(e - st - mean.get(name, e - st) for name, st, e in step_cmds if name.startswith("aten::")) / len(params)
+        for cmds in timed("side")
+        for step_cmds in _by_step(cmds, marks)
+    ]
+    after = max(statistics.fmean(lost), 0.0) if lost else 0.0
+    return base, extra, after, max(statistics.fmean(beside), 0.0) if beside else 0.0, _ends(per_rank, main_marks)
+
+
+def _by_step(cmds: list, marks: list[tuple[float, float, float]]) -> list[list]:
+    """A worker's timed commands (name, start, end), cut into the steps the controller ran (`marks`: each
+    step's start, issued, value fetched; the same monotonic clock)."""
+    return [[c for c in cmds if t0 <= c[1] <= got] for t0, _, got in marks]
+
+
+def _between_reduces(step_cmds: list) -> list[list]:
+    """The commands of one step between each two consecutive reduces."""
+    at = [i for i, c in enumerate(step_cmds) if c[0] == "Reduce"]
+    return [step_cmds[i + 1 : j] for i, j in zip(at, at[1:])]
+
+
+def _ends(per_rank: list, marks: list[tuple[float, float, float]]) -> list | None:
+    """(seconds from the controller's having issued a step to a worker's first command, seconds from the
+    fetched rank's last command to the controller's having the value, commands per step), medians over the
+    steps that went as one batch (their first command started after the controller had issued them); None
+    if none did."""
+    arrive, back, counts = [], [], []
+    for rank, cmds in enumerate(per_rank):
+        for (_, issued, got), mine in zip(marks, _by_step(cmds, marks)):
+            if not mine or mine[0][1] < issued:
+                continue
+            arrive.append(mine[0][1] - issued)
+            counts.append(len(mine))
+            if rank == 0:  # (`inspect` fetches from the first rank)
+                back.append(got - max(c[2] for c in mine))
+    if not arrive or not back:
+        return None
+    return [statistics.median(arrive), statistics.median(back), round(statistics.median(counts))]  # (JSON's)
+
+
+def _sample_model():
+    """The model `_sample_step_costs` times: the ops a training step issues most, on tiny tensors."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Sample(nn.Module):
+        def __init__(self, vocab: int = 32, d: int = 8, heads: int = 2):
+            super().__init__()
+            self.heads = heads
+            self.emb, self.norm = nn.Embedding(vocab, d), nn.LayerNorm(d)
+            self.qkv, self.up, self.down = nn.Linear(d, 3 * d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+            self.out = nn.Linear(d, vocab)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            h = self.emb(x)
+            b, t, d = h.shape
+            q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(self.norm(h)).split(d, 2))
+            a = ((q @ k.transpose(-2, -1)) * (d // self.heads) ** -0.5).softmax(-1) @ v
+            h = h + a.transpose(1, 2).reshape(b, t, d)
+            h = h + self.down(F.gelu(self.up(h)).relu())
+            return F.cross_entropy(self.out(h).view(b * t, -1), y.view(-1))
+
+    return Sample()
+
+
+def _handoff(mesh, quick: bool) -> float:
+    """Seconds a CPU worker loses per hand-over between its threads: small reduces handed to a side stream
+    and waited for (a borrow, the reduce, its drop, an op on main: as a step reduces gradients) against
+    the same reduces back to back on that stream. Each hand-over wakes the main thread, then the stream's."""
+    import torch
+
+    from monarch.runtime.fetch import inspect
+    from monarch.runtime.tensor.streams import Stream
+
+    k, runs = (8, 2) if quick else (16, 9)  # (the difference is a few ms in 0.15 s: many runs, the median)
+    dim = mesh.names[0]
+    side = Stream("calibrate")
+    with mesh.activate():
+        t = torch.ones(SMALL)
+
+    def back_to_back() -> None:  # (one hand-over in all)
+        alias, borrow = side.borrow(t, mutable=True)
+        with side.activate():
+            for _ in range(k):
+                alias.reduce_(dim, "sum")
+        borrow.drop()
+
+    def handed() -> None:
+        for _ in range(k):
+            alias, borrow = side.borrow(t, mutable=True)
+            with side.activate():
+                alias.reduce_(dim, "sum")
+            borrow.drop()
+            t.mul_(0.5)
+
+    with mesh.activate():
+        back_to_back()  # (warm: the stream's thread and its groups)
+    inspect(t)
+    extra = []
+    for _ in range(runs):
+        took = []
+        for pattern in (back_to_back, handed) if len(extra) % 2 else (handed, back_to_back):
+            start = time.perf_counter()
+            with mesh.activate():
+                pattern()
+            inspect(t)
+            took.append((pattern, time.perf_counter() - start))
+        by = dict(took)
+        extra.append((by[handed] - by[back_to_back]) / (k - 1))
+    return max(statistics.median(extra), 0.0)
+
+
+def _controller_slowdown(mesh, quick: bool) -> float:
+    """How much slower the controller issues commands while CPU workers on its machine compute, than while
+    they wait: the time to issue the same tiny ops, behind a batch of matmuls and with the workers idle."""
+    import torch
+
+    from monarch.runtime.fetch import inspect
+
+    n = 300 if quick else 1000
+
+    def issue(t) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            t.add_(1)
+        return time.perf_counter() - start
+
+    ratios = []
+    for _ in range(1 if quick else 3):
+        with mesh.activate():
+            t = torch.ones(4)
+            a = torch.ones(512, 512)
+        inspect(t)
+        with mesh.activate():
+            idle = issue(t)
+        inspect(t)
+        with mesh.activate():
+            for _ in range(60):  # about a second of work on each worker
+                a = a @ a / 512
+            flush(mesh)
+            busy = issue(t)
+        inspect(t)
+        ratios.append(busy / idle)
+    return max(1.0, statistics.median(ratios))
+
+
+def _controller_load(mesh, rtt: float, quick: bool) -> float:
+    """How many times longer the workers' work takes while the controller runs Python on their machine (as
+    it does while it issues a step): the engine's small reduces back to back, with another process
+    computing beside them and without, alternately. A reduce waits for every worker's turn on the cores,
+    so it feels a core taken more than compute does (on 2 cores and 4 workers: 1.4 times, compute 1.2)."""
+    import torch
+
+    from monarch.runtime.fetch import inspect
+
+    k, runs = (8, 2) if quick else (16, 6)
+    with mesh.activate():
+        t = torch.ones(SMALL)
+        t.reduce_(mesh.names[0], "sum")
+    inspect(t)  # (warm)
+    idle, busy = [], []
+    for _ in range(runs):
+        idle.append(_per_reduce(mesh, t, k, rtt))
+        with _spinning():
+            busy.append(_per_reduce(mesh, t, k, rtt))
+    return max(1.0, statistics.median(busy) / max(statistics.median(idle), 1e-9))
+
+
+@contextlib.contextmanager
+def _spinning():
+    """Another process computing on this machine (pure Python, one thread) while the block runs; it ends
+    with the block, or by itself if this process dies."""
+    code = (
+        "import os, sys\n"
+        "parent = os.getppid()\n"
+        "sys.stdout.write('x'); sys.stdout.flush()\n"
+        "while os.getppid() == parent:\n"
+        "    for _ in range(100000): pass\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-I", "-c", code], stdout=subprocess.PIPE)
+    try:
+        proc.stdout.read(1)  # (it is spinning)
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+def _round_trip(mesh) -> float:
+    """Seconds from asking for a small value to having it (the controller's side included)."""
+    import torch
+
+    from monarch.runtime.fetch import inspect
+
+    with mesh.activate():
+        t = torch.ones(1)
+    times = []
+    for _ in range(20):
+        start = time.perf_counter()
+        inspect(t)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

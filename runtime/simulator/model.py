@@ -1,0 +1,582 @@
+"""Simulated workers: the tensor commands of a mesh, run on fake tensors against a cost model.
+
+Every rank has a command thread (the *dispatch* clock) and one clock per stream. A batch arrives when the
+controller sent it and is decoded whole (`decode` per command) before its first command runs; each command
+costs the command thread `dispatch`. On a CPU worker the main stream
+runs on the command thread itself (so a wait on it holds back every later command, as on a real CPU
+worker); on a GPU the main stream is a queue like the others. A borrow makes the borrowing stream wait for
+the point the origin stream had reached; its drop makes the origin wait for the borrower (on a CPU,
+plus the calibrated cost of waking the threads, `handoff`). On a GPU the engine reads a reduce's failure
+flag on the host, so the thread that issued it waits for its end, and a drop on the main stream waits for
+the borrowing stream's thread (`held`); on a CPU the first op after a reduce the command thread ran
+itself pays what the wait cost it (`after_reduce`, `owed`), and after one on a side stream what running
+beside it costs (`beside_reduce`). A collective
+starts when the last rank of its group reaches it; the time the others wait is communication too, as in
+a real trace. On a CPU, compute on the main stream and a side stream's work that overlap share the cores
+and slow each other down, by factors `calibrate()` measures (`SimWorkers._share`). Memory: a result that
+does not alias an input is an allocation (at its op's start; on a GPU when the command thread launches the
+op, as CUDA's caching allocator serves it on the host); a storage is freed when the last handle naming it
+is freed. While the controller computes (issuing commands, autograd), the workers of its host
+are slower by the calibrated `controller_load` (`SimWorkers.controller_busy`).
+
+State is kept once per command, not per rank: clocks are numpy arrays over ranks, so a 512-rank mesh
+costs little more than a 4-rank one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from monarch.runtime.common.op_schema import alias_plan
+from monarch.runtime.simulator import costs
+from monarch.runtime.simulator.devices import DeviceProfile
+from monarch.runtime.wire import protocol as P
+from monarch.runtime.wire.protocol import Ref
+
+_COLLECTIVE = {
+    (False, False): "all_reduce",
+    (True, False): "reduce_scatter",
+    (False, True): "all_gather",
+    (True, True): "all_to_all",
+}
+
+
+@dataclass
+class Event:
+    """One command on some ranks: per rank its start and end (seconds, the controller's clock)."""
+
+    ranks: np.ndarray
+    stream: int
+    start: np.ndarray
+    end: np.ndarray
+    name: str
+    kind: str
+    """``compute`` or ``comm``."""
+    where: str
+    flops: float = 0.0
+    nbytes: int = 0
+
+
+@dataclass
+class MemEvent:
+    ranks: np.ndarray
+    times: np.ndarray
+    delta: int
+    where: str
+
+
+class _Value:
+    __slots__ = ("fake", "storage")
+
+    def __init__(self, fake: Any, storage: int) -> None:
+        self.fake, self.storage = fake, storage
+
+
+class SimWorkers:
+    """The simulated workers of one mesh."""
+
+    def __init__(self, dev: DeviceProfile, size: int, hosts: np.ndarray) -> None:
+        self.dev = dev
+        self.size = size
+        self.hosts = hosts
+        """Rank -> its host."""
+        self.inline = dev.kind == "cpu"
+        self.dispatch = np.zeros(size)
+        self.streams: dict[int, np.ndarray] = {0: np.zeros(size)}
+        self.events: list[Event] = []
+        self.mem: list[MemEvent] = []
+        self.live = np.zeros(size, dtype=np.int64)
+        """Bytes allocated per rank now."""
+        self.baseline = np.zeros(size, dtype=np.int64)
+        """Bytes allocated per rank when the recording window began."""
+        self.window = 0.0
+        self.values: dict[int, _Value | None] = {}
+        self.storages: dict[int, list] = {}
+        """Storage key -> [bytes, handles naming it, ranks array]."""
+        self.groups: dict[int, tuple] = {}
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        self._keys = itertools.count(1)
+        self._ops: dict[str, Any] = {}
+        self.names: dict[int, str] = {0: "main"}
+        """Stream id -> name, as the controller named it (known from borrows)."""
+        self.commands = 0
+        self.open: dict[int, list[Event]] = {}
+        """Stream id (not main) -> its events that may still end after some rank's main stream is at."""
+        self.sharing = self.inline and (dev.compute_contention > 1.0 or dev.comm_contention > 1.0)
+        """Compute and a side stream's work slow each other down where they overlap (CPU workers)."""
+        self.local = hosts == 0
+        """Ranks on the controller's host."""
+        self.loaded = dev.controller_load > 1.0 and bool(self.local.any())
+        """The controller's Python slows down the workers of its host while it runs (`controller_busy`)."""
+        self.ahead: list[Event | MemEvent] = []
+        """Events that may still end after the controller's clock (what `controller_busy` may move)."""
+        self.held: dict[int, np.ndarray] = {}
+        """Stream id (not main) -> per rank, until when its thread waits for a reduce (on a GPU)."""
+        self.owed = np.zeros(size) if self.inline and (dev.after_reduce > 0 or dev.beside_reduce > 0) else None
+        """Per rank: what the ops after a reduce on the command thread still lose (`after_reduce`, CPU)."""
+
+    # -- clocks ------------------------------------------------------------------------------------
+    def reset(self, now: float) -> None:
+        """Start a new recording window at `now` (events and memory history so far are dropped)."""
+        self.events.clear()
+        self.open.clear()
+        self.mem.clear()
+        self.ahead.clear()
+        self.commands = 0
+        self.baseline = self.live.copy()
+        self.window = now
+        self.dispatch = np.maximum(self.dispatch, now)
+        for s in self.streams.values():
+            np.maximum(s, now, out=s)
+
+    def _stream(self, sid: int) -> np.ndarray:
+        s = self.streams.get(sid)
+        if s is None:
+            s = self.streams[sid] = np.zeros(self.size)
+        return s
+
+    def _main(self, idx: np.ndarray) -> np.ndarray:
+        return self.dispatch[idx] if self.inline else self.streams[0][idx]
+
+    def _take(self, idx: np.ndarray) -> None:
+        """The command thread takes one command."""
+        self.dispatch[idx] += self.dev.dispatch
+
+    def _run(
+        self, idx: np.ndarray, sid: int, dur: Any, name: str, kind: str, where: str, flops=0.0, nb=0
+    ) -> np.ndarray:
+        """An op of `dur` seconds on stream `sid` of ranks `idx`; returns its start times."""
+        self._take(idx)
+        if sid == 0 and self.inline:
+            start = self.dispatch[idx]
+            if self.owed is not None:  # (the first op after a reduce on this thread pays what it lost)
+                dur = dur + self.owed[idx]
+                self.owed[idx] = 0.0
+            end = start + dur
+            if self.sharing and kind == "compute" and len(self.streams) > 1:
+                end = self._share(idx, start, end)
+            self.dispatch[idx] = end
+        else:
+            s = self._stream(sid)
+            start = np.maximum(s[idx], self.dispatch[idx])
+            end = start + dur
+            s[idx] = end
+        self._record(Event(idx, sid, start, end, name, kind, where, flops, nb))
+        return start
+
+    def _record(self, ev: Event) -> None:
+        self.events.append(ev)
+        if ev.stream != 0 and self.sharing:
+            self.open.setdefault(ev.stream, []).append(ev)
+        if self.loaded:
+            self.ahead.append(ev)
+
+    def _record_mem(self, ev: MemEvent) -> None:
+        self.mem.append(ev)
+        if self.loaded:
+            self.ahead.append(ev)
+
+    def controller_busy(self, t0: float, t1: float, share: float = 1.0) -> None:
+        """The controller ran the program's Python from `t0` to `t1` (seconds), computing for `share` of it,
+        on its host's cores: the work of those ranks planned in that span progresses `controller_load`
+        times slower (at full share), and what comes after moves back by what it lost (in the trace too).
+        Calibrated as a whole-host reduce's slowdown while another process computes: a step's reduces
+        during the backward pass run beside the controller issuing the rest of the step."""
+        took = t1 - t0
+        f = 1.0 + (self.dev.controller_load - 1.0) * max(0.0, min(share, 1.0))
+        if took <= 0 or f <= 1.0:
+            return
+        m = self.local
+        for clock in (self.dispatch, *self.streams.values()):
+            clock[m] = _stretch(clock[m], t0, took, f)
+        keep: list[Event | MemEvent] = []
+        for ev in self.ahead:
+            times = (ev.start, ev.end) if type(ev) is Event else (ev.times,)
+            if float(times[-1].max()) <= t0:  # over before the controller's clock: never moves again
+                continue
+            em = m[ev.ranks]
+            for t in times:
+                t[em] = _stretch(t[em], t0, took, f)
+            keep.append(ev)
+        self.ahead = keep
+
+    def _share(self, idx: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """The end of a compute op on a CPU worker's main stream over [`start`, `end`) alone, where a side
+        stream of its rank is still busy (in a step: reducing gradients while the backward computes).
+
+        They share the cores: while both run, compute runs `compute_contention` times slower and the side
+        stream `comm_contention` times slower (both calibrated); whichever ends first leaves the other
+        alone. The side stream's later work moves back by what it lost, its events in the trace too."""
+        fc, fm = max(self.dev.compute_contention, 1.0), max(self.dev.comm_contention, 1.0)
+        dur = end - start
+        out = end.copy()
+        for sid, clock in self.streams.items():
+            if sid == 0:
+                continue
+            left = clock[idx] - start  # the side stream's work still to run, in seconds alone
+            busy = left > 0
+            if not busy.any():
+                continue
+            left = np.where(busy, left, 0.0)
+            compute_first = dur * fc <= left * fm
+            # how long the compute takes (0 where the side stream is idle); the side stream gets 1/fm of
+            # that time's progress
+            took = np.where(busy, np.where(compute_first, dur * fc, left * fm + dur - left * fm / fc), 0.0)
+            out = np.maximum(out, start + took)
+            clock[idx] = _stretch(clock[idx], start, took, fm)
+            self._stretch_events(sid, idx, start, took, fm)
+        return out
+
+    def _stretch_events(self, sid: int, idx: np.ndarray, start: np.ndarray, took: np.ndarray, fm: float) -> None:
+        pos = np.full(self.size, -1)
+        pos[idx] = np.arange(len(idx))
+        low = float(start.min())
+        prev = np.full(self.size, -np.inf)  # per rank: where the event before now ends
+        keep = []
+        for ev in self.open.get(sid, ()):  # (in the stream's order)
+            if float(ev.end.max()) <= low:  # over before any of these ranks' main streams are now: never again
+                continue
+            keep.append(ev)
+            p = pos[ev.ranks]
+            m = p >= 0
+            if not m.any():
+                continue
+            ranks = ev.ranks[m]
+            # an op queued behind another starts when that one now ends; one the stream was idle for still
+            # starts when it did (then waits for the cores, as a real trace shows it)
+            ev.start[m] = np.maximum(ev.start[m], prev[ranks])
+            ev.end[m] = _stretch(ev.end[m], start[p[m]], took[p[m]], fm)
+            prev[ranks] = ev.end[m]
+        self.open[sid] = keep
+
+    def _ready(self, idx: np.ndarray, sid: int) -> np.ndarray:
+        """When stream `sid` of ranks `idx` could start its next command (taking it included)."""
+        self._take(idx)
+        if sid == 0 and self.inline:
+            return self.dispatch[idx].copy()
+        return np.maximum(self._stream(sid)[idx], self.dispatch[idx])
+
+    def _finish(self, idx: np.ndarray, sid: int, end: np.ndarray) -> None:
+        if sid == 0 and self.inline:
+            self.dispatch[idx] = end
+        else:
+            self._stream(sid)[idx] = end
+
+    def synced(self, rank: int) -> float:
+        """When every stream of `rank` has run what it was given (a value can be read)."""
+        return max(self.dispatch[rank], *(s[rank] for s in self.streams.values())) + self.dev.dispatch
+
+    # -- commands ----------------------------------------------------------------------------------
+    def run_batch(self, idx: np.ndarray, batch: list, arrival: float) -> None:
+        # (a worker decodes a whole batch before it runs the first of its commands)
+        self.dispatch[idx] = np.maximum(self.dispatch[idx], arrival) + len(batch) * self.dev.decode
+        for cmd in batch:
+            self.commands += 1
+            if type(cmd) is P.OnStream:
+                self._command(idx, cmd.stream_id, cmd.cmd)
+            else:
+                self._command(idx, 0, cmd)
+
+    def _command(self, idx: np.ndarray, sid: int, cmd: Any) -> None:
+        t = type(cmd)
+        if t is P.Op:
+            self._op(idx, sid, cmd)
+        elif t is P.Reduce:
+            self._reduce(idx, sid, cmd)
+        elif t is P.MoveWithin:
+            self._move(idx, sid, cmd)
+        elif t is P.Free:
+            at = self._ready(idx, sid)
+            self._finish(idx, sid, at)
+            at = at if self.inline else self.dispatch[idx].copy()  # (a GPU's caching allocator: at once)
+            for ref in cmd.refs:
+                self._drop(ref, idx, at)
+        elif t is P.Alias:
+            self._take(idx)
+            old = self.values.get(cmd.ref)
+            target = self.values.get(cmd.target)
+            if target is not None:
+                self.storages[target.storage][1] += 1
+            self.values[cmd.ref] = target
+            if old is not None:
+                self._release(old.storage, idx, self._main(idx))
+        elif t is P.BorrowStart:
+            self._take(idx)
+            mark = self._main(idx) if cmd.from_stream == 0 else self._stream(cmd.from_stream)[idx]
+            s = self._stream(cmd.to_stream)
+            s[idx] = np.maximum(s[idx], mark)
+            v = self.values.get(cmd.src)
+            if v is not None:
+                self.storages[v.storage][1] += 1
+            self.values[cmd.alias] = v
+        elif t is P.BorrowEnd:
+            self._take(idx)
+            done = self._stream(cmd.to_stream)[idx]
+            if cmd.from_stream == 0 and self.inline:  # the main thread waits for the drop: a hand-over
+                d = self.dispatch[idx]
+                self.dispatch[idx] = np.where(done > d, done + self.dev.handoff, d)
+                if self.owed is not None:  # (one that waited ran nothing beside the reduce: the hand-over is
+                    self.owed[idx] = np.where(done > d, 0.0, self.owed[idx])  # what the wait cost it)
+            else:
+                s = self._stream(cmd.from_stream)
+                s[idx] = np.maximum(s[idx], done)
+                if cmd.from_stream == 0 and cmd.to_stream in self.held:  # (a GPU) the main thread waits too
+                    self.dispatch[idx] = np.maximum(self.dispatch[idx], self.held[cmd.to_stream][idx])
+            v = self.values.pop(cmd.alias, None)
+            if v is not None:
+                self._release(v.storage, idx, done)
+        elif t is P.FailResults:
+            self._take(idx)
+            for ref in _refs(cmd.out):
+                self.values[ref] = None
+        elif t in (P.SendTo, P.RecvFrom):
+            nb = _numel(cmd.shape) * _itemsize(cmd.dtype)
+            dur = costs.p2p_time(self.dev, nb, True)
+            self._run(idx, sid, dur, "send" if t is P.SendTo else "recv", "comm", cmd.where, 0.0, nb)
+            if t is P.RecvFrom:
+                self._new_value(cmd.out, torch.empty(cmd.shape, dtype=cmd.dtype), idx, self._main(idx), cmd.where)
+        else:  # Seed, profiler commands: the command thread's time only
+            self._take(idx)
+
+    def _resolve(self, x: Any) -> Any:
+        if isinstance(x, Ref):
+            v = self.values.get(x.id)
+            if v is None:
+                raise _Unknown(x.id)
+            return v.fake
+        if isinstance(x, torch.Tensor):
+            return self.fake.from_tensor(x)
+        if isinstance(x, list | tuple):
+            return type(x)(self._resolve(o) for o in x)
+        if isinstance(x, dict):
+            return {k: self._resolve(v) for k, v in x.items()}
+        return x
+
+    def _lookup(self, name: str) -> Any:
+        fn = self._ops.get(name)
+        if fn is None:
+            ns, _, rest = name.partition("::")
+            base, _, overload = rest.partition(".")
+            fn = self._ops[name] = getattr(getattr(getattr(torch.ops, ns), base), overload or "default")
+        return fn
+
+    def _op(self, idx: np.ndarray, sid: int, cmd: P.Op) -> None:
+        func = self._lookup(cmd.name)
+        try:
+            with self.fake:
+                args, kwargs = self._resolve(cmd.args), self._resolve(cmd.kwargs)
+                out = func(*args, **kwargs)
+        except Exception:  # (a poisoned input, or an op the workers would fail too): its results are unknown
+            self._take(idx)
+            for ref in _refs(cmd.out):
+                self.values[ref] = None
+            return
+        dur, flops, nb = costs.op_cost(self.dev, func, args, kwargs, out)
+        kind = "comm" if cmd.name.startswith("c10d::") else "compute"
+        alloc_at = self._run(idx, sid, dur, cmd.name, kind, cmd.where, flops, nb)  # (the op's start)
+        if not self.inline:  # (on a GPU the command thread allocates results as it launches the op)
+            alloc_at = self.dispatch[idx]
+        shares = _shared_memory(func, cmd)
+        for ref, value in zip(_flat(cmd.out), _flat(out)):
+            if ref is None or not isinstance(value, torch.Tensor):
+                continue
+            src = shares.get(ref)
+            base = self.values.get(src) if src is not None else None
+            if base is not None:
+                self.storages[base.storage][1] += 1
+                self._set(ref, _Value(value, base.storage), idx)
+            else:
+                self._new_value(ref, value, idx, alloc_at, cmd.where)
+
+    def _new_value(self, ref: int, fake: Any, idx: np.ndarray, at: np.ndarray, where: str) -> None:
+        nb = costs.alloc_bytes(self.dev, fake)
+        key = next(self._keys)
+        self.storages[key] = [nb, 1, idx]
+        self._set(ref, _Value(fake, key), idx)
+        if nb:
+            self.live[idx] += nb
+            self._record_mem(MemEvent(idx, at.copy(), nb, where))
+
+    def _set(self, ref: int, v: _Value, idx: np.ndarray) -> None:
+        old = self.values.get(ref)
+        self.values[ref] = v
+        if old is not None:  # an in-place op's result reuses its input's id: nothing new
+            self._release(old.storage, idx, self._main(idx))
+
+    def _drop(self, ref: int, idx: np.ndarray, at: np.ndarray) -> None:
+        v = self.values.pop(ref, None)
+        if v is not None:
+            self._release(v.storage, idx, at)
+
+    def _release(self, key: int, idx: np.ndarray, at: np.ndarray) -> None:
+        st = self.storages.get(key)
+        if st is None:
+            return
+        st[1] -= 1
+        if st[1] <= 0:
+            del self.storages[key]
+            nb, _, owners = st
+            if nb:
+                self.live[owners] -= nb
+                times = at if len(at) == len(owners) else np.full(len(owners), float(np.max(at)))
+                self._record_mem(MemEvent(owners, times.copy(), -nb, "free"))
+
+    def _reduce(self, idx: np.ndarray, sid: int, cmd: P.Reduce) -> None:
+        kind = _COLLECTIVE[(bool(cmd.scatter), cmd.reduction == "stack")]
+        elements = _numel(cmd.shape)
+        nb = elements * _itemsize(cmd.dtype)
+        ready = np.zeros(self.size)
+        ready[idx] = self._ready(idx, sid)
+        alloc_at = ready[idx] if self.inline else self.dispatch[idx]  # (on a GPU: as the thread launches it)
+        end = ready.copy()
+        partition = self.groups.get(cmd.gid) or (tuple(int(r) for r in idx),)
+        for groups in _by_size(partition):
+            p = groups.shape[1]
+            hosts = self.hosts[groups]
+            spans = hosts.min(axis=1) != hosts.max(axis=1)
+            dur = np.where(spans, costs.collective_time(self.dev, kind, nb, p, True, elements),
+                           costs.collective_time(self.dev, kind, nb, p, False, elements))  # fmt: skip
+            end[groups] = (ready[groups].max(axis=1) + dur)[:, None]
+        self._finish(idx, sid, end[idx])
+        if self.owed is not None:  # (what the main thread's next op loses: it waited, or it runs beside it)
+            self.owed[idx] += self.dev.after_reduce if sid == 0 else self.dev.beside_reduce
+        if not self.inline:  # on a GPU the engine reads the reduce's failure flag: its thread waits for the end
+            if sid == 0:
+                self.dispatch[idx] = np.maximum(self.dispatch[idx], end[idx])
+            else:
+                held = self.held.setdefault(sid, np.zeros(self.size))
+                held[idx] = np.maximum(held[idx], end[idx])
+        name = f"{kind} ({cmd.reduction})"
+        self._record(Event(idx, sid, ready[idx], end[idx], name, "comm", cmd.where, 0.0, nb))
+        if cmd.out != cmd.src:
+            shape = _out_shape(cmd)
+            self._new_value(cmd.out, _empty(self, shape, cmd.dtype), idx, alloc_at, cmd.where)
+
+    def _move(self, idx: np.ndarray, sid: int, cmd: P.MoveWithin) -> None:
+        nb = _numel(cmd.shape) * _itemsize(cmd.dtype)
+        ready = np.zeros(self.size)
+        ready[idx] = self._ready(idx, sid)
+        end = ready.copy()
+        for s, d in cmd.pairs:
+            start = max(ready[s], ready[d])
+            end[s] = end[d] = start + (
+                costs.p2p_time(self.dev, nb, bool(self.hosts[s] != self.hosts[d])) if s != d else nb / self.dev.mem_bw
+            )
+        self._finish(idx, sid, end[idx])
+        self._record(Event(idx, sid, ready[idx], end[idx], "send/recv", "comm", cmd.where, 0.0, nb))
+        dst = np.array(sorted({d for _, d in cmd.pairs}), dtype=np.int64)
+        self._new_value(cmd.out, _empty(self, cmd.shape, cmd.dtype), dst, end[dst], cmd.where)
+
+    def origin(self) -> float:
+        """Time zero of the window's trace: its first op's start (the controller's time before it is not shown)."""
+        return min((float(e.start.min()) for e in self.events if len(e.start)), default=self.window)
+
+    def fake_of(self, ref: int) -> Any:
+        v = self.values.get(ref)
+        return None if v is None else v.fake
+
+    # -- memory ------------------------------------------------------------------------------------
+    def memory(self) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        """Per rank: peak bytes in the window, when (seconds), and what allocated last before it."""
+        peak = self.baseline.astype(np.float64).copy()
+        when = np.full(self.size, self.window)
+        what = ["(before the window)"] * self.size
+        if not self.mem:
+            return peak, when, what
+        ranks = np.concatenate([m.ranks for m in self.mem])
+        times = np.concatenate([m.times for m in self.mem])
+        deltas = np.concatenate([np.full(len(m.ranks), m.delta, dtype=np.int64) for m in self.mem])
+        which = np.concatenate([np.full(len(m.ranks), i) for i, m in enumerate(self.mem)])
+        # frees before allocations at the same moment; then per rank, in time order
+        order = np.lexsort((deltas > 0, times, ranks))
+        ranks, times, deltas, which = ranks[order], times[order], deltas[order], which[order]
+        level = np.cumsum(deltas)
+        starts = np.searchsorted(ranks, np.arange(self.size))
+        ends = np.searchsorted(ranks, np.arange(self.size), side="right")
+        for r in range(self.size):
+            a, b = starts[r], ends[r]
+            if a == b:
+                continue
+            before = level[a - 1] if a else 0
+            seg = level[a:b] - before + self.baseline[r]
+            i = int(np.argmax(seg))
+            if seg[i] > peak[r]:
+                peak[r], when[r], what[r] = seg[i], times[a + i], self.mem[which[a + i]].where
+        return peak, when, what
+
+
+def _stretch(t: np.ndarray, start: np.ndarray, took: np.ndarray, fm: float) -> np.ndarray:
+    """Where a side stream's point `t` (planned as if alone) moves when, from `start`, it shares the cores
+    with compute for `took` seconds, progressing 1/`fm` as fast meanwhile."""
+    u = t - start
+    slow = took / fm  # the side stream's progress (seconds alone) while the compute runs
+    return np.where(u <= 0, t, np.where(u <= slow, start + u * fm, t + took - slow))
+
+
+class _Unknown(Exception):
+    """A command names a value the simulated workers do not have (freed, poisoned)."""
+
+
+def _by_size(partition: tuple) -> list[np.ndarray]:
+    """A rank partition as arrays of groups of equal size (one array per size)."""
+    out: dict[int, list] = {}
+    for g in partition:
+        out.setdefault(len(g), []).append(g)
+    return [np.array(gs, dtype=np.int64) for gs in out.values()]
+
+
+def _refs(out: Any) -> list[int]:
+    if isinstance(out, int):
+        return [out]
+    if isinstance(out, list | tuple):
+        return [r for o in out for r in _refs(o)]
+    return []
+
+
+def _flat(x: Any) -> list:
+    """An op's results (or their ids, as the controller nests them) in order, one per tensor."""
+    if isinstance(x, list | tuple):
+        return [o for item in x for o in _flat(item)]
+    return [x]
+
+
+def _shared_memory(func: Any, cmd: P.Op) -> dict[int, int]:
+    """Result id -> the id of the input whose memory it shares (views, in-place results: `alias_plan`)."""
+    found = {}
+    single = len(func._schema.returns) == 1
+    for r, i, name in alias_plan(func):
+        src = cmd.args[i] if i < len(cmd.args) else cmd.kwargs.get(name)
+        if isinstance(src, Ref):
+            ids = cmd.out if single else (cmd.out[r] if isinstance(cmd.out, list) and r < len(cmd.out) else None)
+            for ref in _refs(ids):
+                found[ref] = src.id
+    return found
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _itemsize(dtype: Any) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _out_shape(cmd: P.Reduce) -> tuple:
+    shape = tuple(cmd.shape)
+    if cmd.reduction == "stack":
+        return (cmd.size, *shape) if not cmd.scatter else (cmd.size, *shape[1:])
+    return (shape[0] // cmd.size, *shape[1:]) if cmd.scatter else shape
+
+
+def _empty(w: SimWorkers, shape: tuple, dtype: Any) -> Any:
+    with w.fake:
+        return torch.empty(shape, dtype=dtype)

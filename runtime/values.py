@@ -1,0 +1,160 @@
+"""What a call on a mesh returns: a `ValueMesh` (one value per point of the view) or, for an asynchronous
+call, a `Future` of one. They sit below `mesh`, so that a `ProcMesh` method can return them."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterator
+from typing import Any, Generic, TypeVar
+
+from monarch.runtime.common.errors import Release, RemoteError, RemoteInterrupt, group_failures
+from monarch.runtime.common.shape import Shape
+from monarch.runtime.wire import codec, protocol
+
+T = TypeVar("T")
+INTERRUPT_GRACE = 0.6
+"""Seconds an interrupted call waits for the workers to say where they were."""
+
+
+class ValueMesh(Generic[T]):
+    """One value per point of the mesh view a call ran on.
+
+    `item(gpu=3)` picks a value by coordinates; iterating yields values in rank order;
+    `items()` yields ``(coordinates, value)``.
+    """
+
+    def __init__(self, shape: Shape, values: list[T]):
+        self._shape = shape
+        self._values = values
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self._shape.size_dict
+
+    def item(self, **coords: int) -> T:
+        """The value at `coords`; every dimension of size > 1 must be given."""
+        return self._values[self._shape.index(**coords)]
+
+    def items(self) -> Iterator[tuple[dict[str, int], T]]:
+        for i, v in enumerate(self._values):
+            yield self._shape.coords(i), v
+
+    def values(self) -> list[T]:
+        return list(self._values)
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def describe(self) -> str:
+        """The shape of the view the values came from, e.g. ``{host: 2, gpu: 4}``."""
+        return self._shape.describe()
+
+    def label(self, coords: dict[str, int]) -> str:
+        """A point's coordinates as text, e.g. ``host=0,gpu=3``."""
+        return self._shape.label(coords)
+
+    def to_table(self) -> str:
+        rows = [(self._shape.label(c), repr(v)) for c, v in self.items()]
+        w = max(len(r[0]) for r in rows)
+        return "\n".join(f"{k.ljust(w)}  {v}" for k, v in rows)
+
+    def __repr__(self) -> str:
+        return f"ValueMesh {self._shape.describe()}:\n{self.to_table()}"
+
+
+class Future(Generic[T]):
+    """The pending result of an asynchronous live-function call; `result()` waits for it."""
+
+    def __init__(self, pending, shape: Shape, name: str):
+        self._pending = pending
+        self._shape = shape
+        self._name = name
+        self._value: ValueMesh[T] | None = None
+
+    def done(self) -> bool:
+        return self._pending.future.done()
+
+    def result(self, timeout: float | None = None) -> ValueMesh[T]:
+        """Wait for every worker; raise `RemoteError` if any failed. Ctrl-C interrupts the workers."""
+        if self._value is None:
+            controller = self._pending.mesh.controller
+            try:
+                replies = controller.wait(self._pending, timeout)
+            except KeyboardInterrupt:
+                raise self._interrupt() from None
+            self._value = self._decode(replies)
+        return self._value
+
+    def interrupt(self) -> None:
+        """Raise KeyboardInterrupt on the workers still running this call, and return at once (what Ctrl-C
+        does to a call being waited for; for calls nobody waits for, such as `%%mesh --noblock` runs)."""
+        if not self.done():
+            self._pending.mesh.controller.interrupt(self._pending)
+
+    def _interrupt(self) -> RemoteInterrupt:
+        """Interrupt the busy workers and collect, for a moment, where each one was."""
+        pending = self._pending
+        controller = pending.mesh.controller
+        controller.interrupt(pending)
+        try:
+            controller.wait(pending, INTERRUPT_GRACE)
+        except BaseException:
+            pass  # a worker that did not answer in time is reported as busy
+        labels = pending.mesh.labels
+        raw = []
+        for rank, env in list(pending.replies.items()):
+            if not env.message.ok:
+                try:
+                    raw.append((rank, labels[rank], _loads(env.body, env.buffers)))
+                except Exception:
+                    pass
+        busy = sorted(set(self._shape.ranks) - set(pending.replies))
+        queued = sorted(set(busy) & controller.busy_with_earlier_calls(pending))
+        if busy and not pending.future.done():
+            pending.mesh.abandoned.add(pending.call_id)  # the next call on these ranks says so, not waits
+        return RemoteInterrupt(self._name, group_failures(raw), busy, len(self._shape), queued)
+
+    get = result
+
+    def __await__(self):
+        yield from asyncio.wrap_future(self._pending.future).__await__()
+        return self.result()
+
+    def _decode(self, replies: dict[int, tuple]) -> ValueMesh[T]:
+        pending = self._pending
+        labels = pending.mesh.labels
+        values, failed, released = [], [], []
+        for rank in self._shape.ranks:
+            env = replies[rank]
+            try:
+                obj = _loads(env.body, env.buffers)
+            except Exception as e:
+                info = protocol.ErrorInfo(type(e).__qualname__, f"result cannot be unpickled here: {e}", "")
+                failed.append((rank, labels[rank], info))
+                continue
+            if not env.message.ok and obj.exc_type == protocol.RELEASED and rank in pending.released:
+                r = pending.released[rank]
+                released.append(Release(rank, labels[rank], r.collective, r.where, r.user_groups))
+            elif not env.message.ok:
+                failed.append((rank, labels[rank], obj))
+            else:
+                values.append(obj)
+        if failed or released:
+            raise RemoteError(self._name, group_failures(failed), len(self._shape), released)
+        return ValueMesh(self._shape, values)
+
+
+def _loads(body, buffers) -> Any:
+    """Unpickle a result as local objects, also inside `mesh.activate()` (whose capture would turn
+    the tensors being rebuilt into commands for the workers)."""
+    capture = sys.modules.get("monarch.runtime.tensor.engine")
+    if capture is None or capture.capturing.get() is None:
+        return codec.loads(body, buffers)
+    import torch
+
+    with torch.utils._python_dispatch._disable_current_modes():
+        return codec.loads(body, buffers)

@@ -1,0 +1,269 @@
+"""Messages on the wire: signed frames, pickle protocol 5 with out-of-band buffers.
+
+A message is the frame list ``[signature | envelope | header | body, *buffers]``:
+
+- the envelope names the sender (mesh id, rank; -1 for the controller) and carries its sequence number,
+  so that a receiver can refuse a replayed message;
+- ``header`` is a plain pickle of a message (a `protocol` dataclass);
+- ``body`` is a cloudpickle of the user's payload (a function, arguments, a result), with every large
+  buffer (tensor, ndarray, bytes-like) left out of the pickle and sent as its own frame;
+- ``signature`` is HMAC-SHA256 over header, body and buffers with a key private to one controller.
+
+`decode` checks the signature before anything is unpickled; nothing else in the runtime unpickles
+bytes that came from a socket. Only the `wire` package (`controller_end`, `worker_end`, `links`, `store`) signs and checks (it owns keys and
+sequence numbers); everything else sends and receives typed messages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import io
+import pickle
+import struct
+import sys
+import types
+import warnings
+from collections import ChainMap
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+
+OOB_MIN_BYTES = 4096
+"""Buffers at least this large travel as their own frame instead of inside the pickle."""
+
+
+class BadSignature(Exception):
+    """A message whose signature does not match; it is dropped unread."""
+
+
+class UnknownSender(BadSignature):
+    """A message that names a sender we hold no key for; it is dropped unread."""
+
+
+SIG = 32
+_compare = hmac.compare_digest
+
+
+try:
+    from _hashlib import hmac_digest as _digest  # what hmac.digest calls, without its checks
+except ImportError:
+    _digest = hmac.digest
+
+
+def _sign(key: bytes, parts: list) -> bytes:
+    if len(parts) == 1 and len(parts[0]) < 65536:
+        return _digest(key, parts[0], "sha256")  # the common small message: one C call
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for p in parts:
+        h.update(p)
+    return h.digest()
+
+
+# -- tensors as out-of-band buffers ---------------------------------------------------------------
+def _rebuild_tensor(buf, dtype, shape):
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zmq frames are read-only buffers; the memory is ours
+        flat = torch.frombuffer(buf, dtype=torch.uint8) if len(memoryview(buf)) else torch.empty(0, dtype=torch.uint8)
+    return flat.view(dtype).reshape(shape)
+
+
+def _reduce_tensor(t):
+    import torch
+
+    if (
+        type(t) is not torch.Tensor
+        or t.layout != torch.strided
+        or t.requires_grad
+        or t.is_quantized
+        or t.device.type not in ("cpu", "cuda")
+        or t.element_size() == 0
+    ):
+        return t.__reduce_ex__(5)
+    if t.device.type != "cpu":
+        t = t.cpu()
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if t.nbytes < OOB_MIN_BYTES:  # small: its bytes inside the pickle (torch's own pickling is ~50 µs)
+        return _rebuild_tensor, (bytearray(flat.numpy()), t.dtype, tuple(t.shape))
+    return _rebuild_tensor, (pickle.PickleBuffer(flat.numpy()), t.dtype, tuple(t.shape))
+
+
+_cloudpickle_code_reduce = getattr(cloudpickle.cloudpickle, "_code_reduce", None)
+_DYNAMIC = "<dynamic-code>"
+
+
+def _code_keeping_its_file(code: Any) -> Any:
+    """cloudpickle >= 3.1 writes every by-value code object's file as "<dynamic-code>" (for deterministic
+    pickles); the workers' tracebacks and pdb would lose the cell and the lines it ran. Keep the file."""
+    make, args = _cloudpickle_code_reduce(code)
+    return make, tuple(code.co_filename if a == _DYNAMIC and type(a) is str else a for a in args)
+
+
+class _Pickler(cloudpickle.Pickler):
+    if _cloudpickle_code_reduce is not None:
+        dispatch_table = ChainMap({types.CodeType: _code_keeping_its_file}, cloudpickle.Pickler.dispatch_table)
+
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if torch is not None and type(obj) is torch.Tensor:
+            try:
+                return _reduce_tensor(obj)
+            except (RuntimeError, ImportError):  # no numpy: fall back to torch's own pickling
+                return obj.__reduce_ex__(5)
+        if torch is not None and isinstance(obj, torch.memory_format | torch.layout):
+            # torch.preserve_format, torch.strided & co. reduce to a bare name like "torch.preserve_format", and
+            # pickle then finds it wherever `torch` is bound first in sys.modules: in a notebook, `__mp_main__`.
+            return _torch_attr, (str(obj).removeprefix("torch."),)
+        return super().reducer_override(obj)
+
+
+class FunctionRef:
+    """An importable function, pickled as its module and qualified name (workers import it)."""
+
+    def __init__(self, module: str, qualname: str):
+        self.module, self.qualname = module, qualname
+
+    def __reduce__(self):
+        return import_function, (self.module, self.qualname)
+
+
+def import_function(module: str, qualname: str) -> Any:
+    """The function `module.qualname` (a live function's own function, if it is one)."""
+    import importlib
+
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return getattr(obj, "__monarch_fn__", obj)
+
+
+def call_function(module: str, qualname: str, *args: Any) -> Any:
+    """Import `module.qualname` and call it (a process target named as data, not imported by its starter)."""
+    return import_function(module, qualname)(*args)
+
+
+def _torch_attr(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
+
+
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def _plain(obj: Any, depth: int = 0) -> bool:
+    """True for small trees of builtin scalars, which the C pickler handles alone (no cloudpickle)."""
+    t = type(obj)
+    if t in _SCALARS:
+        return True
+    if t is bytes:
+        return len(obj) < OOB_MIN_BYTES
+    if depth > 3:
+        return False
+    if t is tuple or t is list:
+        if len(obj) > 16:
+            return False
+        for o in obj:
+            if not _plain(o, depth + 1):
+                return False
+        return True
+    if t is dict:
+        if len(obj) > 16:
+            return False
+        for k, v in obj.items():
+            if type(k) is not str or not _plain(v, depth + 1):
+                return False
+        return True
+    return False
+
+
+def dumps(obj: Any) -> list:
+    """Pickle `obj` as ``[body, *buffers]``."""
+    if _plain(obj):
+        return [pickle.dumps(obj, protocol=5)]
+    buffers: list = []
+
+    def keep(pb: pickle.PickleBuffer) -> bool:
+        raw = pb.raw()
+        if raw.nbytes < OOB_MIN_BYTES:
+            return True  # small: inside the pickle
+        buffers.append(raw)
+        return False
+
+    f = io.BytesIO()
+    _Pickler(f, protocol=5, buffer_callback=keep).dump(obj)
+    return [f.getvalue(), *buffers]
+
+
+def dumps_function(fn: Any) -> bytes:
+    """Pickle a function by value (cloudpickle), keeping its code's file name (see `_code_keeping_its_file`)."""
+    f = io.BytesIO()
+    _Pickler(f, protocol=5).dump(fn)
+    return f.getvalue()
+
+
+def loads(body, buffers=()) -> Any:
+    return pickle.loads(body, buffers=buffers)
+
+
+_ENVELOPE = struct.Struct("<IiQI")
+"""mesh id, sender rank (-1: the controller), sequence number, header length."""
+_FIXED = SIG + _ENVELOPE.size
+CONTROLLER = -1
+"""The sender rank of messages from the controller."""
+
+
+@dataclass(slots=True)
+class Envelope:
+    """A message as received: who sent it, its sequence number, the message, its body (not yet unpickled)."""
+
+    mesh_id: int
+    rank: int
+    seq: int
+    message: Any
+    body: Any
+    buffers: list
+
+
+def encode(key: bytes, mesh_id: int, rank: int, seq: int, message: Any, body: list | None = None) -> list:
+    """Frames for `message` from (`mesh_id`, `rank`), with an already pickled body ``[body, *buffers]``.
+
+    The first frame is ``signature | mesh id | rank | seq | len(header) | header | body``; each buffer
+    follows as its own frame. The signature covers everything after itself, buffers included.
+    """
+    h = pickle.dumps(message, protocol=5)
+    body = body or [b""]
+    meta = b"".join((_ENVELOPE.pack(mesh_id, rank, seq, len(h)), h, body[0]))
+    return [_sign(key, [meta, *body[1:]]) + meta, *body[1:]]
+
+
+def _view(f) -> memoryview:
+    return f.buffer if hasattr(f, "buffer") else memoryview(f)  # a zmq.Frame, or bytes
+
+
+def decode(key: bytes | Callable[[int, int], bytes | None], frames: list) -> Envelope:
+    """Check the signature, then unpickle the message (its body stays bytes). Nothing is unpickled before.
+
+    `key` is the key, or a function of the claimed sender ``(mesh id, rank)`` that gives it (None: a sender
+    we do not know, `UnknownSender`)."""
+    first = _view(frames[0])
+    if len(first) < _FIXED:
+        raise BadSignature(f"a {len(first)}-byte message is too short to be signed")
+    mesh_id, rank, seq, n = _ENVELOPE.unpack_from(first, SIG)
+    if type(key) is not bytes:
+        key = key(mesh_id, rank)
+        if key is None:
+            raise UnknownSender(f"it names no running mesh and rank ({mesh_id}, {rank})")
+    if len(frames) == 1:
+        bufs = []
+        mac = _sign(key, [first[SIG:]])
+    else:
+        bufs = [_view(f) for f in frames[1:]]
+        mac = _sign(key, [first[SIG:], *bufs])
+    if not _compare(first[:SIG], mac):
+        raise BadSignature(f"bad signature on a {len(first)}-byte message")
+    return Envelope(mesh_id, rank, seq, pickle.loads(first[_FIXED : _FIXED + n]), first[_FIXED + n :], bufs)

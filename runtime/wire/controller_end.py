@@ -1,0 +1,460 @@
+"""The sockets between a controller and its workers, both ends, and what keeps them safe.
+
+- Commands go down one XPUB socket (one send reaches every worker of a mesh) on secret topics: each
+  mesh has one, each worker one, handed over privately at start. Subscriptions are applied by hand
+  (manual mode), only for those topics, so a stranger's subscription matches nothing and it receives
+  nothing. A worker's full queue is backpressure (never a silent drop); one that stays full fails the
+  mesh, saying so.
+- Replies, output and input requests come up a PULL socket with a bounded queue.
+- Every message is signed with its mesh's key (HMAC-SHA256) and checked before anything is unpickled;
+  it names its sender and carries a sequence number, and a receiver refuses any number it has seen.
+- Local sockets live in a directory only this user can open. TCP sockets bind one interface and use
+  ZeroMQ's CURVE encryption; a client is admitted only with the key pair of a running mesh.
+- Whatever fails these checks is dropped and logged, at most one line per kind every few seconds.
+
+This module is the controller's end; `worker_end` is the workers'. Only the `wire` package calls
+`codec.encode` / `codec.decode`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from monarch.runtime.common.config import Settings
+from monarch.runtime.common.log import RateLimitedLog
+from monarch.runtime.wire import codec, protocol
+from monarch.runtime.wire.hold import HOLD, MAIN, _Swap
+from monarch.runtime.wire.keys import TOPIC, UPSTREAM, AgentCurve, ServerCurve, WorkerKeys
+from monarch.runtime.wire.links import heartbeat
+
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
+REPLY_HWM = 10_000
+"""Messages the controller queues per worker connection on the reply socket (past this, the worker
+holds its output until the controller reads; its memory, not ours)."""
+JUNK_HWM = 16
+"""Messages queued from one connection on sockets where only start-up messages are expected."""
+POKE = object()
+"""`ControllerTransport.recv`'s answer for a poke: an empty message that wakes a blocked receiver."""
+DROPPED = object()
+"""`ControllerTransport.recv`'s answer for a message that failed its checks (already logged)."""
+
+
+def _send_whole(sock: zmq.Socket, topic: bytes, frames: list) -> None:
+    """One message on `topic`, all its frames or (zmq.Again: a subscriber's queue is full) none."""
+    if len(frames) == 1:
+        sock.send(topic + frames[0], _NOBLOCK)
+        return
+    sock.send(topic + frames[0], _NOBLOCK | _SNDMORE)  # a full queue refuses the first frame; the rest then go
+    sock.send_multipart(frames[1:], _NOBLOCK, copy=False)
+
+
+@dataclass
+class _Mesh:
+    key: bytes
+    topic: bytes
+    rank_topics: list[bytes]
+    client_public: bytes | None
+    seq: int = 0
+    """Sequence number of the last message sent to this mesh's workers."""
+    seen: list[int] = field(default_factory=list)
+    """Per rank: sequence number of the last message taken from that worker (on the reply socket)."""
+    hello_seen: list[int] = field(default_factory=list)
+    """The same for start-up messages, which come up the command socket: the two sockets' messages are numbered
+    from one counter but may arrive in either order (output sent just after `Ready` can overtake it)."""
+    goodbyes: set[int] = field(default_factory=set)
+    """Ranks whose `Goodbye` arrived: all they sent before it has arrived too."""
+
+
+class PeerStalled(Exception):
+    """A worker has not taken its commands for `send_stall` seconds while its queue was full."""
+
+    def __init__(self, mesh_id: int, ranks: tuple[int, ...] | None, seconds: float):
+        self.mesh_id, self.ranks, self.seconds = mesh_id, ranks, seconds
+        super().__init__(f"a worker of mesh {mesh_id} took no commands for {seconds:.0f} s")
+
+
+class ControllerTransport:
+    """The controller's sockets: commands down (XPUB), replies up (PULL), the store's (ROUTER).
+
+    Thread use (a ZeroMQ socket used by two threads at once can abort the process): the command socket
+    is used under `send_lock` (any thread sends; the backend's monitor reads start-up messages under it);
+    the reply socket under `recv_lock` (held by the one thread that receives); the store's socket only
+    by the store's thread (`store_owner` runs anything else on it there).
+    """
+
+    def __init__(self, settings: Settings, directory: str) -> None:
+        self.settings = settings
+        self.ctx = zmq.Context()
+        self.curve = ServerCurve(self.ctx) if settings.transport == "tcp" else None
+        self.cmd = self._socket(zmq.XPUB, sndhwm=settings.send_hwm, rcvhwm=JUNK_HWM)
+        self.cmd.setsockopt(zmq.XPUB_MANUAL, 1)  # we apply subscriptions: only to topics we handed out
+        self.cmd.setsockopt(zmq.XPUB_NODROP, 1)  # a full queue is an error (backpressure), not a silent drop
+        self.reply = self._socket(zmq.PULL, rcvhwm=REPLY_HWM)
+        self.store = self._socket(zmq.ROUTER, sndhwm=settings.send_hwm, rcvhwm=REPLY_HWM)
+        self.store.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if settings.transport == "ipc":
+            for sock, name in ((self.cmd, "cmd"), (self.reply, "reply"), (self.store, "store")):
+                sock.bind(f"ipc://{directory}/{name}")
+        else:
+            for sock in (self.cmd, self.reply, self.store):
+                sock.bind(f"tcp://{settings.bind_addr}:0")
+        self.cmd_addr, self.reply_addr, self.store_addr = (
+            s.getsockopt_string(zmq.LAST_ENDPOINT) for s in (self.cmd, self.reply, self.store)
+        )
+        # An empty message on the reply socket wakes whoever receives (a call failed on another thread).
+        wake = f"inproc://monarch-wake-{id(self)}"
+        self.reply.bind(wake)
+        self._waker = self.ctx.socket(zmq.PUSH)
+        self._waker.setsockopt(zmq.LINGER, 0)
+        self._waker.connect(wake)
+        self._waker_lock = threading.Lock()
+        self.send_lock = threading.Lock()
+        self.recv_lock = threading.RLock()
+        """Held by whoever uses the reply socket (the controller's receive lock: see `Replies`)."""
+        self.store_owner: Callable[[Callable[[], None]], None] | None = None
+        """Runs a function on the thread that owns the store's socket, and waits for it (set by the store)."""
+        self._meshes: dict[int, _Mesh] = {}
+        self._topics: dict[bytes, tuple[int, int]] = {}
+        """Topic -> (mesh id, rank), rank -1 for a mesh's own topic."""
+        self._store_seen: dict[tuple, tuple[int, int]] = {}
+        """Store connection -> (its mesh, the sequence number of its last request)."""
+        self._rcvtimeo = -1
+        self.goodbyes = threading.Condition()
+        """Notified when a worker's `Goodbye` arrives (`await_goodbyes`)."""
+        self.log = RateLimitedLog("monarch")
+        self.closed = False
+
+    def _socket(self, kind: int, sndhwm: int = 1000, rcvhwm: int = 1000) -> zmq.Socket:
+        s = self.ctx.socket(kind)
+        s.setsockopt(zmq.SNDHWM, sndhwm)
+        s.setsockopt(zmq.RCVHWM, rcvhwm)
+        s.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            self.curve.serve(s)
+        return s
+
+    # -- host agents ------------------------------------------------------------------------------
+    def connect_agent(self, endpoints: dict[str, str], curve: AgentCurve) -> None:
+        """Connect the command, reply and store sockets to a host agent's (which relays them to its host's
+        workers), as a CURVE client of the job's key pair; ZeroMQ heartbeats watch each connection. Each
+        socket is touched under its owner's lock or on its owner's thread, never while another thread uses it."""
+
+        def connect(sock: zmq.Socket, name: str) -> None:
+            # (options are taken at connect or bind time: the binds made before keep serving CURVE)
+            curve.client(sock)
+            heartbeat(sock)
+            sock.connect(endpoints[name])
+
+        self._on_each_socket(connect)
+
+    def disconnect_agent(self, endpoints: dict[str, str]) -> None:
+        def disconnect(sock: zmq.Socket, name: str) -> None:
+            try:
+                sock.disconnect(endpoints[name])
+            except zmq.ZMQError:
+                pass  # never connected, or closed
+
+        self._on_each_socket(disconnect)
+
+    def _on_each_socket(self, do: Callable[[zmq.Socket, str], None]) -> None:
+        with self.send_lock:
+            if self.closed:
+                return
+            do(self.cmd, "cmd")
+        with self.recv_lock:
+            if self.closed:
+                return
+            do(self.reply, "reply")
+        # Not under send_lock: the store's thread takes it to answer (it would wait for us, we for it).
+        owner = self.store_owner
+        if owner is None:
+            do(self.store, "store")
+        else:
+            owner(lambda: do(self.store, "store"))
+
+    # -- meshes ------------------------------------------------------------------------------------
+    def add_mesh(self, mesh_id: int, n: int) -> list[WorkerKeys]:
+        """New keys for a mesh of `n` workers: its HMAC key, each worker's address, and (TCP) a CURVE
+        key pair of its own, admitted until `remove_mesh`."""
+        key = os.urandom(32)
+        topic = os.urandom(TOPIC)
+        rank_topics = [os.urandom(TOPIC) for _ in range(n)]
+        public = secret = None
+        if self.curve is not None:
+            public, secret = zmq.curve_keypair()
+            self.curve.clients.add(public)
+        with self.send_lock:
+            self._meshes[mesh_id] = _Mesh(key, topic, rank_topics, public, seen=[0] * n, hello_seen=[0] * n)
+            self._topics[topic] = (mesh_id, -1)
+            for r, t in enumerate(rank_topics):
+                self._topics[t] = (mesh_id, r)
+        server = self.curve.public if self.curve is not None else None
+        addrs = (self.cmd_addr, self.reply_addr, self.store_addr)
+        return [WorkerKeys(mesh_id, r, key, topic, rank_topics[r], *addrs, server, public, secret) for r in range(n)]
+
+    def await_goodbyes(self, mesh_id: int, ranks: list[int], timeout: float) -> list[int]:
+        """Wait up to `timeout` seconds until each of `ranks` (workers that exited when asked) said `Goodbye`,
+        that is, until everything they sent has been received (by whichever thread receives); returns the
+        ranks that did not. Call it before `remove_mesh`, which drops whatever comes later."""
+        mesh = self._meshes.get(mesh_id)
+        if mesh is None:
+            return list(ranks)
+        deadline = time.monotonic() + timeout
+        with self.goodbyes:
+            while True:
+                missing = [r for r in ranks if r not in mesh.goodbyes]
+                left = deadline - time.monotonic()
+                if not missing or left <= 0:
+                    return missing
+                self.goodbyes.wait(min(left, 0.05))
+
+    def remove_mesh(self, mesh_id: int) -> None:
+        """Forget a mesh: its messages are dropped from now on and its CURVE key no longer admitted."""
+        with self.send_lock:
+            mesh = self._meshes.pop(mesh_id, None)
+            if mesh is not None:
+                for t in (mesh.topic, *mesh.rank_topics):
+                    self._topics.pop(t, None)
+                for ident, (m, _) in list(self._store_seen.items()):
+                    if m == mesh_id:
+                        del self._store_seen[ident]
+        if mesh is not None and self.curve is not None:
+            self.curve.clients.discard(mesh.client_public)
+
+    # -- sending -----------------------------------------------------------------------------------
+    def send(self, mesh_id: int, ranks: tuple[int, ...] | None, message: Any, body: list | None = None) -> None:
+        """Sign `message` once and send it to `ranks` of the mesh (None: every worker, in one send).
+
+        A worker whose queue is full makes the sender wait for it (backpressure); after `send_stall`
+        seconds without progress, `PeerStalled` says so. A worker that is gone is skipped (its exit
+        is reported by the backend's monitor)."""
+        mesh = self._meshes.get(mesh_id)
+        if mesh is None:
+            return
+        with self.send_lock:
+            if self.closed:
+                return
+            mesh.seq += 1
+            frames = codec.encode(mesh.key, mesh_id, codec.CONTROLLER, mesh.seq, protocol.pack(message), body)
+            held = HOLD.enter()
+            try:
+                if not held and threading.get_ident() == MAIN:
+                    with _Swap():
+                        self._send_all(mesh_id, mesh, ranks, frames)
+                else:
+                    self._send_all(mesh_id, mesh, ranks, frames)
+            finally:
+                if held:
+                    HOLD.leave()
+
+    def _send_all(self, mesh_id: int, mesh: _Mesh, ranks, frames: list) -> None:
+        for topic in (mesh.topic,) if ranks is None else [mesh.rank_topics[r] for r in ranks]:
+            try:
+                _send_whole(self.cmd, topic, frames)
+            except zmq.Again:
+                self._wait_for(mesh_id, mesh, ranks, topic, frames)
+
+    def _wait_for(self, mesh_id: int, mesh: _Mesh, ranks, topic: bytes, frames: list) -> None:
+        """Backpressure: a worker's queue is full. Wait for it to take commands, while its mesh lives."""
+        deadline = time.monotonic() + self.settings.send_stall
+        pause = 0.00002
+        while time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+            if self._meshes.get(mesh_id) is not mesh or self.closed:
+                return  # the mesh was stopped or failed meanwhile: nothing to deliver
+            try:
+                _send_whole(self.cmd, topic, frames)
+                return
+            except zmq.Again:
+                continue
+        raise PeerStalled(mesh_id, ranks, self.settings.send_stall)
+
+    # -- receiving replies -------------------------------------------------------------------------
+    def set_timeout(self, ms: int) -> None:
+        if ms != self._rcvtimeo:
+            self.reply.setsockopt(zmq.RCVTIMEO, ms)
+            self._rcvtimeo = ms
+
+    def recv(self, block: bool) -> Any:
+        """The next reply as an `Envelope` (signature and sequence checked, message unpacked), `POKE`,
+        `DROPPED`, or None (nothing within the timeout, or nothing at all when not blocking)."""
+        try:
+            first = self.reply.recv(0 if block else _NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        return self._whole(first)
+
+    def poll_briefly(self, seconds: float) -> Any:
+        """Like `recv(block=False)`, trying for up to `seconds` (yielding the CPU between tries)."""
+        reply = self.reply
+        end = time.perf_counter() + seconds
+        while True:
+            try:
+                return self._whole(reply.recv(_NOBLOCK, copy=False))
+            except zmq.Again:
+                if time.perf_counter() > end:
+                    return None
+                os.sched_yield()  # anyone runnable here goes first
+
+    def _whole(self, first: zmq.Frame) -> Any:
+        if not first.more:
+            if not len(first):
+                return POKE
+            return self._verify([first])
+        frames = [first]
+        while frames[-1].more:
+            frames.append(self.reply.recv(copy=False))
+        return self._verify(frames)
+
+    def _key_of(self, mesh_id: int, rank: int) -> bytes | None:
+        mesh = self._meshes.get(mesh_id)
+        return mesh.key if mesh is not None and 0 <= rank < len(mesh.seen) else None
+
+    def _verify(self, frames: list, upstream: bool = False) -> Any:
+        try:
+            env = codec.decode(self._key_of, frames)
+            mesh = self._meshes.get(env.mesh_id)
+            if mesh is None:
+                return DROPPED  # stopped meanwhile
+            seen = mesh.hello_seen if upstream else mesh.seen
+            if env.seq <= seen[env.rank]:
+                self.log("a replayed message", f"rank {env.rank} of mesh {env.mesh_id} already sent number {env.seq}")
+                return DROPPED
+            seen[env.rank] = env.seq
+            env.message = protocol.unpack(env.message)
+            if type(env.message) is protocol.Goodbye:
+                with self.goodbyes:
+                    mesh.goodbyes.add(env.rank)
+                    self.goodbyes.notify_all()
+                return DROPPED  # (nothing for the receiver to do)
+            return env
+        except codec.UnknownSender as e:
+            self.log("a message", str(e))
+        except (codec.BadSignature, ValueError) as e:
+            self.log("a message", f"it failed its checks: {e}")
+        except Exception as e:  # a header that is not ours (it was signed, so this is a bug)
+            self.log("a message", f"its header could not be read: {type(e).__name__}: {e}")
+        return DROPPED
+
+    def poke(self) -> None:
+        """Wake a thread blocked in `recv`."""
+        with self._waker_lock:
+            if not self.closed:
+                try:
+                    self._waker.send(b"", _NOBLOCK)
+                except zmq.Again:
+                    pass  # plenty of pokes already queued
+
+    # -- start-up messages on the command socket ---------------------------------------------------
+    def read_cmd(self) -> list[codec.Envelope]:
+        """What came up the command socket: subscriptions to our topics are applied (others ignored),
+        start-up messages (`Ready`, `StartFailed`) returned, anything else dropped. Call it when `cmd_fd`
+        is readable, and now and then (any send may consume the fd's edge); it re-arms the fd. Returns
+        nothing at once when a sender holds the socket (one waiting for a full queue, say): call again."""
+        out = []
+        if not self.send_lock.acquire(timeout=0.05):
+            return out
+        try:
+            if self.closed:
+                return out
+            cmd = self.cmd
+            while True:
+                try:
+                    frames = cmd.recv_multipart(_NOBLOCK, copy=False)
+                except zmq.Again:
+                    return out
+                first = frames[0].buffer
+                kind = bytes(first[:1])
+                if kind != UPSTREAM:  # a subscription (\x01 + topic), an unsubscription (\x00), or junk
+                    if len(frames) != 1 or kind not in (b"\x00", b"\x01") or len(first) > 1 + TOPIC:
+                        self.log("junk", f"{len(first)} bytes came up the command socket")
+                        continue
+                    if kind == b"\x00":
+                        continue  # an unsubscription (libzmq makes them when a worker's connection closes)
+                    topic = bytes(first[1:])
+                    if topic not in self._topics:
+                        self.log("a subscription", f"a {len(topic)}-byte topic that is not one of a running mesh's")
+                    else:
+                        cmd.setsockopt(zmq.SUBSCRIBE, topic)  # (applies to the connection it came on)
+                    continue
+                frames[0] = frames[0].buffer[1:]
+                env = self._verify(frames, upstream=True)
+                if env is not DROPPED:
+                    out.append(env)
+        finally:
+            self.send_lock.release()
+
+    @property
+    def cmd_fd(self) -> int:
+        return self.cmd.getsockopt(zmq.FD)
+
+    @property
+    def reply_fd(self) -> int:
+        return self.reply.getsockopt(zmq.FD)
+
+    # -- the store's socket (its thread only) ------------------------------------------------------
+    def store_recv(self) -> Any:
+        """The next store request ``(route, envelope)``; `DROPPED` for one that failed its checks (logged);
+        None when there is none. The route is the connection's identity, or for a worker behind a host agent
+        the agent's connection and the worker's identity there (the agent puts an empty frame after it)."""
+        try:
+            frames = self.store.recv_multipart(_NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        if len(frames) > 3 and not len(frames[2]):  # through a host agent: [agent, worker, b"", *message]
+            ident, frames = (frames[0].bytes, frames[1].bytes), frames[3:]
+        else:
+            ident, frames = (frames[0].bytes,), frames[1:]
+        try:
+            if not frames:
+                raise codec.BadSignature("an empty message")
+            env = codec.decode(self._key_of, frames)
+            if env.seq <= self._store_seen.get(ident, (env.mesh_id, 0))[1]:
+                self.log("a replayed store request", f"number {env.seq} from rank {env.rank} of mesh {env.mesh_id}")
+                return DROPPED
+            self._store_seen[ident] = (env.mesh_id, env.seq)
+            env.message = protocol.unpack(env.message)
+            return ident, env
+        except (codec.BadSignature, ValueError) as e:
+            self.log("a store request", f"it failed its checks: {e}")
+            return DROPPED
+
+    def store_send(self, ident: tuple, mesh_id: int, message: Any) -> None:
+        mesh = self._meshes.get(mesh_id)
+        if mesh is None:
+            return
+        with self.send_lock:  # the mesh's sequence numbers
+            mesh.seq += 1
+            seq = mesh.seq
+        frames = codec.encode(mesh.key, mesh_id, codec.CONTROLLER, seq, protocol.pack(message))
+        route = list(ident) if len(ident) == 1 else [*ident, b""]
+        try:
+            self.store.send_multipart([*route, *frames], _NOBLOCK)
+        except (zmq.Again, zmq.ZMQError):
+            pass  # a client that is gone, or not reading: it times out on its side
+
+    def close(self) -> None:
+        with self.send_lock:
+            self.closed = True
+        with self._waker_lock:
+            self._waker.close(0)
+        self.cmd.close(0)
+        with self.recv_lock:
+            self.reply.close(0)
+
+    def close_store(self) -> None:
+        self.store.close(0)
+
+    def terminate(self) -> None:
+        if self.curve is not None:
+            self.curve.stop()
+        self.ctx.term()

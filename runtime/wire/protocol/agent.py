@@ -1,0 +1,113 @@
+"""Controller <-> host agent: one link per host, signed with the job's key."""
+
+from __future__ import annotations
+
+from monarch.runtime.wire.protocol.base import message
+
+LINK = 0xFFFFFFFF
+"""The `mesh_id` of the envelopes on a controller's link to a host agent (they belong to no mesh)."""
+
+
+@message(38)
+class AgentHello:
+    """Controller -> agent, first on a new link: who attaches."""
+
+    controller: str
+    """``host:pid`` of the controller (named when another one tries to attach meanwhile)."""
+
+
+@message(39)
+class AgentInfo:
+    """Agent -> controller: the answer to `AgentHello`, or why it refuses (another controller is attached)."""
+
+    host: str
+    addr: str
+    pid: int
+    gpus: int
+    cpus: int
+    workspace: str
+    """This host's copy of the job's workspace (on workers' sys.path), or "" without one."""
+    refused: str
+    """Empty when attached."""
+
+
+@message(40)
+class StartWorkers:
+    """Controller -> agent: start this host's workers of a mesh. Each of `starts` is ``(rank, coords, label,
+    local_rank, (key, mesh_topic, rank_topic))``; the agent fills in its own sockets' addresses."""
+
+    mesh_id: int
+    size: int
+    sizes: dict
+    starts: list
+    group_timeout: float
+    env: dict
+    """Variables the controller sets for its workers (the agent adds the rank ones and its own)."""
+    sys_path: list
+    """The controller's `sys.path`: entries that exist on the host follow the workspace and the agent's own."""
+    cwd: str
+    """The controller's working directory (used where it exists on the host and there is no workspace)."""
+
+
+@message(41)
+class SignalWorkers:
+    """Controller -> agent: `kind` 0 interrupts call `call_id` on `ranks` (SIGINT); otherwise a control
+    request (`RELEASE`, `REPORT`) through the slot file and SIGUSR1."""
+
+    mesh_id: int
+    ranks: tuple
+    call_id: int
+    kind: int
+
+
+@message(42)
+class StopWorkers:
+    """Controller -> agent: the mesh's workers were asked to exit; kill those still there after `grace`
+    seconds, then answer `WorkersStopped`."""
+
+    mesh_id: int
+    grace: float
+
+
+@message(43)
+class WorkersStopped:
+    mesh_id: int
+    codes: dict
+    """Rank -> exit status (0: exited when asked; negative: killed by that signal)."""
+
+
+@message(44)
+class WorkerLost:
+    """Agent -> controller: a worker exited (or froze) while its mesh ran, or before it was ready."""
+
+    mesh_id: int
+    rank: int
+    cause: str
+
+
+@message(45)
+class SyncOffer:
+    """Controller -> agent: every file of the job's workspace and its content hash (sha256)."""
+
+    files: dict
+
+
+@message(46)
+class SyncWant:
+    """Agent -> controller: the files of the offer its copy lacks or has otherwise."""
+
+    paths: list
+
+
+@message(47)
+class SyncFiles:
+    """Controller -> agent: the contents of `paths` (the body: one bytes each, in order)."""
+
+    paths: list
+
+
+@message(48)
+class Synced:
+    """Agent -> controller: the workspace copy matches the offer; `changed` were written or removed."""
+
+    changed: list

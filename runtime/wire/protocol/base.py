@@ -1,0 +1,70 @@
+"""What controller and workers say to each other: one dataclass per message and per tensor command.
+
+Messages travel as the header of a signed envelope (see `wire/controller_end.py`); a message's bulky
+payload (a function's arguments, a result, a batch of tensor commands) travels as its body, pickled
+apart with large buffers out of band. Who sent a message (mesh and rank) is part of the envelope, not of
+the message. Receivers dispatch on the message's type through a handler table, never by position.
+
+On the wire a message is the tuple ``(tag, *fields)`` (`pack` / `unpack`): pickling a tuple costs a
+fraction of pickling an instance, and ops are sent tens of thousands of times a second. Nothing here
+imports torch, zmq or the rest of the runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from operator import attrgetter
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_TYPES: list[type | None] = []
+"""Every message type, by its tag (the index): the wire carries ``(tag, *fields)``."""
+
+
+def message(tag: int) -> Callable[[type[T]], type[T]]:
+    """Register a message: a slotted dataclass whose wire tag is `tag`, written out so that adding or moving a
+    message never renumbers the others (`tests/test_wire_tags.py` pins every tag)."""
+
+    def register(cls: type[T]) -> type[T]:
+        if tag < len(_TYPES) and _TYPES[tag] is not None:
+            raise AssertionError(f"wire tag {tag} of {cls.__name__} is taken by {_TYPES[tag].__name__}")
+        cls = dataclass(slots=True)(cls)
+        _register(cls, tag)
+        return cls
+
+    return register
+
+
+def _register(cls: Any, tag: int) -> None:
+    names = tuple(f.name for f in fields(cls))
+    cls._tag = tag
+    cls._values = staticmethod(
+        attrgetter(*names) if len(names) > 1 else lambda m, n=names: tuple(getattr(m, x) for x in n)
+    )
+    cls._arity = len(names)
+    _TYPES.extend([None] * (tag + 1 - len(_TYPES)))
+    _TYPES[tag] = cls
+
+
+def types() -> dict[int, type]:
+    """Every registered message type by its wire tag."""
+    return {tag: cls for tag, cls in enumerate(_TYPES) if cls is not None}
+
+
+def pack(msg: Any) -> tuple:
+    """`msg` as the tuple that travels: ``(tag, *fields)`` (tuples pickle ~20x faster than instances)."""
+    return (msg._tag, *msg._values(msg))
+
+
+def unpack(t: Any) -> Any:
+    """The message a `pack` tuple stands for; ValueError for anything else."""
+    if type(t) is not tuple or not t or type(t[0]) is not int or not 0 <= t[0] < len(_TYPES):
+        raise ValueError(f"not a message: {type(t).__name__}")
+    cls = _TYPES[t[0]]
+    if cls is None:
+        raise ValueError(f"not a message: no message has tag {t[0]}")
+    if len(t) != cls._arity + 1:
+        raise ValueError(f"{cls.__name__} has {cls._arity} fields, got {len(t) - 1}")
+    return cls(*t[1:])

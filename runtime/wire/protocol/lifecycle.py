@@ -1,0 +1,63 @@
+"""A worker's life: how it starts (`WorkerStart`, privately; `Ready` or `StartFailed` up the command
+connection), how it is told to stop (`Exit`) and its last word (`Goodbye`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from monarch.runtime.wire.protocol.base import message
+
+
+@dataclass
+class WorkerStart:
+    """Everything a worker needs to start; handed over privately (the fork server's pipe), with its keys."""
+
+    keys: Any
+    """`wire.keys.WorkerKeys`: mesh id, rank, HMAC key, addresses."""
+    coords: dict
+    """Coordinates in the spawned mesh."""
+    sizes: dict
+    """Sizes of the spawned mesh."""
+    local_rank: int
+    """Index among this host's workers (picks the GPU)."""
+    label: str
+    """The coordinates as text (``"host=0,gpu=3"``)."""
+    interrupt_path: str
+    """A file of int64 slots, one per rank: the call the controller's next SIGINT is meant for."""
+    env: dict
+    """Environment to run with (the controller's, plus rank variables)."""
+    cwd: str
+    sys_path: list
+    threads: int
+    """torch intra-op threads."""
+    parent_pid: int | None
+    """The process that forked us (the fork server); the worker dies with it."""
+    controller_pid: int
+    """The controller's process; the worker exits the moment it is gone."""
+    group_timeout: float
+    """Seconds collectives and the store wait."""
+
+
+@message(6)
+class Ready:
+    """The worker is up: connected, in its process group, serving commands."""
+
+    info: dict
+    """``{"pid", "host", "device"}``."""
+
+
+@message(7)
+class StartFailed:
+    traceback: str
+
+
+@message(4)
+class Exit:
+    """Stop serving and exit."""
+
+
+@message(50)
+class Goodbye:
+    """Worker -> controller, its last message on the reply connection when it exits as asked: one
+    connection keeps its order, so once this has arrived, so has everything the worker printed."""

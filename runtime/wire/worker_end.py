@@ -1,0 +1,131 @@
+"""A worker's end of the transport: commands in (XSUB, on its mesh's topic and its own), replies out (PUSH),
+and one connection per thread to the controller's store. Everything it takes in is checked (signature,
+sender, sequence number) before it is unpickled."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from monarch.runtime.common.log import RateLimitedLog
+from monarch.runtime.wire import codec, protocol
+from monarch.runtime.wire.keys import TOPIC, UPSTREAM, WorkerKeys, curve_client
+
+
+class WorkerTransport:
+    """A worker's sockets: commands in (XSUB, on its mesh's topic and its own), replies out (PUSH)."""
+
+    def __init__(self, keys: WorkerKeys) -> None:
+        self.keys = keys
+        self.ctx = zmq.Context()
+        self.cmd = self.ctx.socket(zmq.XSUB)
+        self.cmd.setsockopt(zmq.RCVHWM, 0)  # what the controller pipelined waits here, in our memory
+        self.cmd.setsockopt(zmq.LINGER, 1000)
+        curve_client(self.cmd, keys)
+        self.cmd.connect(keys.cmd_addr)
+        for topic in (keys.mesh_topic, keys.rank_topic):
+            self.cmd.send(b"\x01" + topic)
+        self.out = self.ctx.socket(zmq.PUSH)
+        self.out.setsockopt(zmq.SNDHWM, 0)  # output is never dropped; it waits here if the controller lags
+        self.out.setsockopt(zmq.LINGER, 5000)
+        curve_client(self.out, keys)
+        self.out.connect(keys.reply_addr)
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._seen = 0
+        self.log = RateLimitedLog(f"monarch worker {keys.rank}")
+
+    def _encode(self, message: Any, body: list | None) -> list:
+        self._seq += 1
+        k = self.keys
+        return codec.encode(k.key, k.mesh_id, k.rank, self._seq, protocol.pack(message), body)
+
+    def hello(self, message: Any) -> None:
+        """A start-up message (`Ready`, `StartFailed`) up the command connection: behind this worker's
+        subscriptions on the same connection, so when it arrives, commands reach the worker. Main thread."""
+        with self._lock:
+            frames = self._encode(message, None)
+        self.cmd.send_multipart([UPSTREAM + frames[0], *frames[1:]])
+
+    def send(self, message: Any, body: list | None = None) -> None:
+        """Send `message` up (any thread)."""
+        with self._lock:
+            frames = self._encode(message, body)
+            if len(frames) == 1:
+                self.out.send(frames[0])
+            else:
+                self.out.send_multipart(frames, copy=False)
+
+    def recv(self) -> codec.Envelope | None:
+        """The next command (blocks); None for one that failed its checks (logged)."""
+        cmd = self.cmd
+        frame = cmd.recv(copy=False)
+        frames = [frame.buffer[TOPIC:]]
+        while frame.more:
+            frame = cmd.recv(copy=False)
+            frames.append(frame)
+        try:
+            env = codec.decode(self.keys.key, frames)  # (our mesh's key: a message signed with it is ours)
+            if env.mesh_id != self.keys.mesh_id or env.rank != codec.CONTROLLER:
+                raise ValueError(f"it claims to come from ({env.mesh_id}, {env.rank})")
+            if env.seq <= self._seen:
+                self.log("a replayed command", f"number {env.seq} was already taken")
+                return None
+            self._seen = env.seq
+            env.message = protocol.unpack(env.message)
+            return env
+        except (codec.BadSignature, ValueError) as e:
+            self.log("a command", str(e))
+            return None
+
+    def store_client(self) -> StoreConnection:
+        """A connection of its own to the controller's store (one per thread: see `wire/store.py`)."""
+        return StoreConnection(self)
+
+    def close(self) -> None:
+        """Close every socket (the store connections of other threads too), after sending what is queued
+        (up to 5 s)."""
+        self.out.close(linger=5000)
+        self.ctx.destroy(linger=0)  # closes the rest, then waits for the output socket
+
+
+class StoreConnection:
+    """One thread's connection to the controller's rendezvous store: a request, then its answer."""
+
+    def __init__(self, transport: WorkerTransport) -> None:
+        k = transport.keys
+        self.keys = k
+        self.sock = transport.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        curve_client(self.sock, k)
+        self.sock.connect(k.store_addr)
+        self._seq = 0
+        self._seen = 0
+
+    def request(self, message: Any, timeout: float) -> Any:
+        """Send `message`, wait up to `timeout` seconds for the answer; `TimeoutError` if none came."""
+        k = self.keys
+        self._seq += 1
+        self.sock.send_multipart(codec.encode(k.key, k.mesh_id, k.rank, self._seq, protocol.pack(message)))
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(max(1, int(left * 1000))):
+                raise TimeoutError(f"the controller's store did not answer within {timeout:.0f} s")
+            frames = self.sock.recv_multipart(copy=False)
+            try:
+                env = codec.decode(k.key, frames)
+            except codec.BadSignature:
+                continue
+            if env.seq <= self._seen or env.mesh_id != k.mesh_id:
+                continue
+            self._seen = env.seq
+            answer = protocol.unpack(env.message)
+            if answer.request == self._seq:
+                return answer
+
+    def close(self) -> None:
+        self.sock.close(0)
