@@ -186,7 +186,7 @@ class ProcMesh:
         `monarch.Tensor` handles; outside, torch is untouched.
         """
         self._check()
-        from monarch.runtime.tensor import capture  # a public shortcut into the layer above (marked)
+        from monarch.runtime.tensor import capture  # (lazily: it imports torch)
 
         token = _active.set(self)
         try:

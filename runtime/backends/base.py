@@ -39,6 +39,9 @@ class Replies(Protocol):
     def poke(self) -> None:
         """Wake a thread blocked in `recv`."""
 
+    def log(self, kind: str, detail: str) -> None:
+        """Say that a message of `kind` was dropped, and why (rate-limited: `common.log.RateLimitedLog`)."""
+
     @property
     def reply_fd(self) -> int:
         """A descriptor that becomes readable when messages may be waiting (edge-triggered)."""

@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from monarch.runtime import backends
 from monarch.runtime.common import log
@@ -29,6 +29,14 @@ from monarch.runtime.controller.state import PendingCall, SpawnedMesh
 from monarch.runtime.controller.stdin import StdinService
 from monarch.runtime.wire import protocol
 from monarch.runtime.wire.hold import HOLD
+
+if TYPE_CHECKING:
+    from monarch.runtime.backends.base import Backend
+    from monarch.runtime.backends.hosts import HostsBackend
+    from monarch.runtime.backends.local import LocalBackend
+    from monarch.runtime.common.stacks import Frame
+    from monarch.runtime.procs.jobfiles import AgentRecord, JobDir
+    from monarch.runtime.wire import codec
 
 RELEASE_FIRST = 0.2
 """Seconds after a rank fails (while others still run the call) before the others are asked to leave a
@@ -61,11 +69,11 @@ class Controller:
         self._mesh_ids = itertools.count(0)
         self._spawn_lock = threading.Lock()
         self._closed = False
-        self.backend = backends.create(self.settings, self._on_lost)
-        self.jobs: dict[str, Any] = {}
+        self.backend: Backend = backends.create(self.settings, self._on_lost)
+        self.jobs: dict[str, HostsBackend] = {}
         """Job name -> the backend of its host agents, once attached."""
         self.receiver = Receiver(self)
-        self.stack_replies: dict[int, dict] = {}
+        self.stack_replies: dict[int, dict[int, list[tuple[str, list[Frame]]]]] = {}
         """Request number -> {rank: its threads' stacks}, while `stacks` waits for them."""
         self._stack_tokens = itertools.count(1)
         if self.settings.hang_report:
@@ -75,14 +83,14 @@ class Controller:
         atexit.register(self.shutdown)
 
     # -- meshes ------------------------------------------------------------------------------------
-    def spawn(self, sizes: dict[str, int], backend: Any = None, announce: bool = True) -> SpawnedMesh:
+    def spawn(self, sizes: dict[str, int], backend: Backend | None = None, announce: bool = True) -> SpawnedMesh:
         """Start one worker per point of `sizes` (on this machine, or with `backend`, on a job's hosts);
         return when all are ready. `announce=False`: no progress shown (a simulated mesh starts at once)."""
         shape = Shape.from_sizes(sizes)
         with self._spawn_lock:
             mesh_id = next(self._mesh_ids)
         labels = [shape.label(c) for c, _ in shape.points()]
-        mesh = SpawnedMesh(self, mesh_id, shape, labels, backend=backend or self.backend)
+        mesh = SpawnedMesh(self, mesh_id, shape, labels, backend or self.backend)
         self.meshes[mesh_id] = mesh
         progress = self.spawn_progress(shape.describe(), len(shape)) if announce else SpawnProgress("", 0)
         _log.info("mesh %d %s: starting %d workers", mesh_id, shape.describe(), len(shape))
@@ -100,7 +108,9 @@ class Controller:
         self.changed(mesh)
         return mesh
 
-    def attach(self, job_dir: Any, records: list, why_ended: Callable[[], str] = lambda: "") -> Any:
+    def attach(
+        self, job_dir: JobDir, records: list[AgentRecord], why_ended: Callable[[], str] = lambda: ""
+    ) -> HostsBackend:
         """The backend of a job's host agents (connected once per job; `records`: its agents; `why_ended`:
         why its hosts went, asked when one is lost)."""
         backend = self.jobs.get(job_dir.name)
@@ -109,7 +119,8 @@ class Controller:
                 self.detach(job_dir.name)
             from monarch.runtime.backends.hosts import HostsBackend
 
-            backend = HostsBackend(self.backend, job_dir, self._on_lost, why_ended)
+            local = cast("LocalBackend", self.backend)  # (what `backends.create` makes)
+            backend = HostsBackend(local, job_dir, self._on_lost, why_ended)
             backend.attach(records)
             self.jobs[job_dir.name] = backend
         return backend
@@ -140,7 +151,13 @@ class Controller:
                 traceback.print_exc(file=sys.__stderr__)
 
     # -- commands ----------------------------------------------------------------------------------
-    def send(self, mesh: SpawnedMesh, ranks: tuple[int, ...] | None, message: Any, body: list | None = None) -> None:
+    def send(
+        self,
+        mesh: SpawnedMesh,
+        ranks: tuple[int, ...] | None,
+        message: Any,
+        body: list[bytes | memoryview] | None = None,
+    ) -> None:
         """Send a `protocol` message to `ranks` of `mesh` (None or every rank: all) without waiting."""
         if ranks is not None and len(ranks) == mesh.size:
             ranks = None
@@ -150,7 +167,7 @@ class Controller:
         self,
         mesh: SpawnedMesh,
         ranks: tuple[int, ...],
-        message_for: Callable[[int], tuple[Any, list | None]],
+        message_for: Callable[[int], tuple[Any, list[bytes | memoryview] | None]],
         no_stdin: str | None = None,
         output: Callable[[OutputEvent], None] | None = None,
         name: str = "",
@@ -174,7 +191,7 @@ class Controller:
             self.changed(mesh)
         return pending
 
-    def wait(self, pending: PendingCall, timeout: float | None = None) -> dict:
+    def wait(self, pending: PendingCall, timeout: float | None = None) -> dict[int, codec.Envelope]:
         """Wait for a call's replies (this thread receives them; Ctrl-C propagates)."""
         return self.receiver.wait(pending, timeout)
 
@@ -258,7 +275,9 @@ class Controller:
         return running
 
     # -- where ranks are ----------------------------------------------------------------------------
-    def stacks(self, mesh: SpawnedMesh, ranks: tuple[int, ...], wait: float = 1.0) -> dict[int, list | None]:
+    def stacks(
+        self, mesh: SpawnedMesh, ranks: tuple[int, ...], wait: float = 1.0
+    ) -> dict[int, list[tuple[str, list[Frame]]] | None]:
         """{rank: its threads' stacks (`stacks.thread_stacks`), or None if it did not answer within `wait`}.
         Each worker's control thread answers, whatever its main thread is doing."""
         token = next(self._stack_tokens)
@@ -323,7 +342,7 @@ class Controller:
         loop that is merely busy, its ranks meeting in collectives many times a second, is not."""
         mesh = pending.mesh
         first: dict[int, tuple[str, str]] | None = None
-        said: dict[int, Any] = {}
+        said: dict[int, protocol.Busy] = {}
         busy: list[int] = []
         for i in range(HANG_SAMPLES):
             if i:
@@ -424,7 +443,7 @@ class Controller:
         self.changed(mesh)
         self._detach_unused(mesh.backend)
 
-    def _detach_unused(self, backend: Any) -> None:
+    def _detach_unused(self, backend: Backend) -> None:
         """A job's last mesh here stopped: let go of its agents, so another controller (a second notebook)
         can attach; attaching again takes milliseconds."""
         for name, b in list(self.jobs.items()):

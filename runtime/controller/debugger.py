@@ -24,12 +24,16 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from monarch.runtime.common import log
 from monarch.runtime.controller.output import OutputEvent
 from monarch.runtime.controller.stdin import RESUME_COMMANDS, InputRequest
 from monarch.runtime.wire import debug as debugwire
+
+if TYPE_CHECKING:
+    from monarch.runtime.controller.core import Controller
+    from monarch.runtime.controller.state import SpawnedMesh
 
 _log = log.get("debugger")
 
@@ -45,8 +49,9 @@ SEND_TIMEOUT = 5.0
 class DebugServer:
     """Holds the paused ranks of this controller's meshes and serves `monarch debug` clients."""
 
-    def __init__(self, controller: Any) -> None:
+    def __init__(self, controller: Controller) -> None:
         self.controller = controller
+        """The `core.Controller` (not named as a type: it imports this module)."""
         self.closed = False
         self.failed = False
         """The directory or socket could not be used (it was said why): the terminal serves pdb instead."""
@@ -87,7 +92,7 @@ class DebugServer:
                 self._heard.append(event)
                 self._cond.notify_all()
 
-    def _mesh_changed(self, mesh: Any) -> None:
+    def _mesh_changed(self, mesh: SpawnedMesh) -> None:
         """A mesh changed state (any thread): waiting commands look again; no mesh running, we stop."""
         with self._cond:
             self._cond.notify_all()
@@ -273,7 +278,7 @@ class DebugServer:
             for key in keys:
                 req = self.paused.pop(key, None)
                 why = "it is not paused" if req is None else self._still_paused(req)
-                if why is None:
+                if why is None and req is not None:  # (why is None only for a paused req)
                     reqs[key] = req
                 else:
                     refused.append(f"rank {key[1]} is no longer paused: {why}")

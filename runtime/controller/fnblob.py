@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 try:
@@ -32,7 +32,7 @@ MAX_DEPTH = 4
 """How deep fingerprints follow by-value functions that call by-value functions."""
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis))
-_kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_kept: weakref.WeakKeyDictionary[Callable[..., Any], tuple[object, bytes]] = weakref.WeakKeyDictionary()
 """function -> (fingerprint, pickle), or (_REFERENCE, pickle of its importable reference)."""
 _REFERENCE = object()
 
@@ -41,7 +41,7 @@ class _Uncacheable(Exception):
     pass
 
 
-def function_blob(fn: Callable, reference: Callable[[], Any | None], pickle: Callable[[Any], bytes]) -> bytes:
+def function_blob(fn: Callable[..., Any], reference: Callable[[], Any | None], pickle: Callable[[Any], bytes]) -> bytes:
     """The pickle of `fn`, reusing a kept one when it is still right.
 
     `reference()` gives an importable reference to `fn` (pickled instead of it), or None when
@@ -68,7 +68,7 @@ def function_blob(fn: Callable, reference: Callable[[], Any | None], pickle: Cal
     return blob
 
 
-def fingerprint(fn: Callable) -> list | None:
+def fingerprint(fn: Callable[..., Any]) -> list[Any] | None:
     """What a by-value pickle of `fn` captures, or None when some of it could change unseen."""
     if _extract_code_globals is None or not isinstance(fn, types.FunctionType):
         return None
@@ -78,12 +78,12 @@ def fingerprint(fn: Callable) -> list | None:
         return None
 
 
-def _function_fp(fn: types.FunctionType, root: types.FunctionType, depth: int) -> list:
+def _function_fp(fn: types.FunctionType, root: types.FunctionType, depth: int) -> list[Any]:
     if depth > MAX_DEPTH or fn.__dict__:
         raise _Uncacheable
     code = fn.__code__
     glb = fn.__globals__
-    fp: list = [_Same(code), fn.__name__, fn.__qualname__, fn.__module__, fn.__doc__]
+    fp: list[Any] = [_Same(code), fn.__name__, fn.__qualname__, fn.__module__, fn.__doc__]
     fp += (repr(glb.get(k)) for k in ("__package__", "__name__", "__path__", "__file__"))  # cloudpickle ships these
     modules = False
     for name in _extract_code_globals(code):  # cached by cloudpickle, same order every time
@@ -110,7 +110,7 @@ def _function_fp(fn: types.FunctionType, root: types.FunctionType, depth: int) -
     return fp
 
 
-def _cell(cell) -> Any:
+def _cell(cell: types.CellType) -> Any:
     try:
         return cell.cell_contents
     except ValueError:  # an empty cell (a name bound later in the enclosing function)
@@ -153,7 +153,7 @@ class _Same:
 
     def __init__(self, obj: Any):
         try:
-            self.ref = weakref.ref(obj)
+            self.ref: Callable[[], Any] = weakref.ref(obj)
         except TypeError:  # builtins, code objects: they live as long as their module anyway
             self.ref = lambda: obj
 
@@ -166,14 +166,14 @@ class _Same:
     __hash__ = None  # type: ignore[assignment]
 
 
-def _modules_version() -> tuple:
+def _modules_version() -> tuple[int, str | None]:
     """Changes whenever a module is imported: the count, and the newest name (dicts keep order)."""
     return (len(sys.modules), next(reversed(sys.modules), None))
 
 
 # -- cloudpickle's submodule scan, remembered -------------------------------------------------------
 def _remember_submodule_scan() -> None:
-    holder = next(  # the module whose _function_getstate calls it (cloudpickle_fast in 2.x; in 3.x a shim)
+    holder: Any = next(  # the module whose _function_getstate calls it (cloudpickle_fast in 2.x; in 3.x a shim)
         (m for m in (sys.modules.get("cloudpickle.cloudpickle_fast"), sys.modules.get("cloudpickle.cloudpickle"))
          if m is not None and "_function_getstate" in vars(m) and "_find_imported_submodules" in vars(m)),
         None,
@@ -181,9 +181,9 @@ def _remember_submodule_scan() -> None:
     if holder is None or getattr(holder._find_imported_submodules, "_monarch", False):
         return
     scan = holder._find_imported_submodules
-    seen: dict[tuple, list] = {}
+    seen: dict[tuple[Any, ...], list[Any]] = {}
 
-    def find_imported_submodules(code, top_level_dependencies):
+    def find_imported_submodules(code: types.CodeType, top_level_dependencies: Iterable[Any]) -> list[Any]:
         deps = list(top_level_dependencies)
         packages = tuple(
             d.__name__ for d in deps if isinstance(d, types.ModuleType) and getattr(d, "__package__", None)
@@ -198,8 +198,8 @@ def _remember_submodule_scan() -> None:
             found = seen[key] = scan(code, deps)
         return list(found)
 
-    find_imported_submodules._monarch = True
     holder._find_imported_submodules = find_imported_submodules
+    holder._find_imported_submodules._monarch = True
 
 
 _remember_submodule_scan()

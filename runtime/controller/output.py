@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -20,9 +21,9 @@ class OutputEvent:
     """``"stdout"``, ``"stderr"``, ``"display"`` for a rich display (then `data` holds it), or ``"error"``: the
     traceback of a rank that failed while others went on (the call's error shows it again when it ends)."""
     text: str
-    data: dict | None = None
+    data: dict[str, Any] | None = None
     """A display's mime bundle (``{"text/plain": ..., "image/png": ...}``)."""
-    metadata: dict | None = None
+    metadata: dict[str, Any] | None = None
 
 
 class LineLabeller:

@@ -17,13 +17,18 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from monarch.runtime.controller.output import OutputEvent
 from monarch.runtime.controller.stdin import InputRequest
 from monarch.runtime.wire import codec, protocol
 from monarch.runtime.wire.controller_end import DROPPED, POKE
 from monarch.runtime.wire.hold import HOLD, MAIN
+
+if TYPE_CHECKING:
+    from monarch.runtime.backends.base import Replies
+    from monarch.runtime.controller.core import Controller
+    from monarch.runtime.controller.state import PendingCall
 
 RX_HANDBACK = 0.01
 """Seconds after a waiting caller returns before the background thread receives again (output that
@@ -35,9 +40,9 @@ meant for it (seen: an interrupted call's replies, and every reply after them, l
 
 
 class Receiver:
-    def __init__(self, controller: Any) -> None:
+    def __init__(self, controller: Controller) -> None:
         self.controller = controller
-        self.replies = controller.backend.replies
+        self.replies: Replies = controller.backend.replies
         self.spin = controller.settings.spin
         self._rx_lock = self.replies.recv_lock  # held by the one thread that receives (an RLock: see wait())
         self._rx_count_lock = threading.Lock()
@@ -46,7 +51,7 @@ class Receiver:
         self.polls = 0
         """How many times a waiting caller polled for replies before sleeping (for tests: polling happens
         only while replies are coming)."""
-        self._handlers = {
+        self._handlers: dict[type[Any], Callable[[codec.Envelope], bool | None]] = {
             protocol.Reply: self._on_reply,
             protocol.Output: self._on_output,
             protocol.Display: self._on_display,
@@ -64,7 +69,7 @@ class Receiver:
         self._io.start()
 
     # -- waiting for a call ------------------------------------------------------------------------
-    def wait(self, pending: Any, timeout: float | None = None) -> dict:
+    def wait(self, pending: PendingCall, timeout: float | None = None) -> dict[int, codec.Envelope]:
         """Wait for a call's replies, receiving them on this thread; serve input requests meanwhile."""
         fut = pending.future
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -92,7 +97,7 @@ class Receiver:
                 finally:
                     self._rx_lock.release()
         finally:
-            if self._rx_lock._is_owned():  # Ctrl-C right after acquire(), before its try: still ours
+            if self._rx_lock._is_owned():  # type: ignore[attr-defined]  # Ctrl-C right after acquire(), before its try: still ours
                 self._rx_lock.release()
             if counted:
                 with self._rx_count_lock:
@@ -111,7 +116,9 @@ class Receiver:
             with self._rx_count_lock:
                 self._rx_waiters += 1
 
-    def _receive_until(self, fut: concurrent.futures.Future, timeout: float, spin: bool) -> bool:
+    def _receive_until(
+        self, fut: concurrent.futures.Future[dict[int, codec.Envelope]], timeout: float, spin: bool
+    ) -> bool:
         """Handle replies as they come until `fut` is done, `timeout` passes with nothing received, or a
         worker asks for input (the caller serves it). With `spin`, poll for `spin` seconds before each
         sleep. False when the time ran out.
@@ -125,7 +132,9 @@ class Receiver:
             if held:
                 HOLD.leave()
 
-    def _receive_messages(self, fut: concurrent.futures.Future, timeout: float, spin: bool) -> bool:
+    def _receive_messages(
+        self, fut: concurrent.futures.Future[dict[int, codec.Envelope]], timeout: float, spin: bool
+    ) -> bool:
         replies = self.replies
         replies.set_timeout(max(1, int(timeout * 1000)))
         while not fut.done() and not HOLD.pending:
@@ -195,7 +204,7 @@ class Receiver:
         self._io.join(2)
 
     # -- handlers ----------------------------------------------------------------------------------
-    def handle(self, env: Any) -> bool:
+    def handle(self, env: codec.Envelope) -> bool:
         """Act on one message; True if it asks for input (a waiting caller should serve it)."""
         handler = self._handlers.get(type(env.message))
         if handler is None:
@@ -203,7 +212,7 @@ class Receiver:
             return False
         return handler(env) is True
 
-    def _on_reply(self, env: Any) -> None:
+    def _on_reply(self, env: codec.Envelope) -> None:
         msg = env.message
         c = self.controller
         pending = c.calls.get(msg.call_id)
@@ -222,7 +231,7 @@ class Receiver:
             self._keep_early_error(pending, env)
             c.failed_while_others_run(pending)
 
-    def _keep_early_error(self, pending: Any, env: Any) -> None:
+    def _keep_early_error(self, pending: PendingCall, env: codec.Envelope) -> None:
         """A rank failed while others still run: if they go on (waiting for it in a collective, say), its
         traceback goes to the call's output, as `"error"` (the call's error shows it again when it ends)."""
         try:
@@ -232,33 +241,40 @@ class Receiver:
         if info.exc_type != protocol.RELEASED:
             pending.early_errors.append((env, info.traceback or f"{info.exc_type}: {info.message}\n"))
 
-    def show_early_errors(self, pending: Any) -> None:
+    def show_early_errors(self, pending: PendingCall) -> None:
         """Show the tracebacks of ranks that failed while the call goes on (a timer thread, once)."""
         errors, pending.early_errors = pending.early_errors, []
         for env, text in errors:
             self._event(env, "error", text)
 
-    def _on_released(self, env: Any) -> None:
+    def _on_released(self, env: codec.Envelope) -> None:
         pending = self.controller.calls.get(env.message.call_id)
         if pending is not None and pending.mesh.mesh_id == env.mesh_id:
             pending.released[env.rank] = env.message
 
-    def _on_busy(self, env: Any) -> None:
+    def _on_busy(self, env: codec.Envelope) -> None:
         for pending in list(self.controller.calls.values()):
             if pending.call_id == env.message.call_id and pending.mesh.mesh_id == env.mesh_id:
                 pending.busy[env.rank] = env.message
 
-    def _on_stacks(self, env: Any) -> None:
+    def _on_stacks(self, env: codec.Envelope) -> None:
         got = self.controller.stack_replies.get(env.message.token)
         if got is not None:
             got[env.rank] = env.message.threads
 
-    def notice(self, pending: Any, rank: int, text: str) -> None:
+    def notice(self, pending: PendingCall, rank: int, text: str) -> None:
         """Show a line of the runtime's about `pending` where its output goes, in `rank`'s place."""
         mesh = pending.mesh
         self._deliver(pending, OutputEvent(pending.call_id, mesh.mesh_id, rank, mesh.labels[rank], "stderr", text))
 
-    def _event(self, env: Any, stream: str, text: str, data=None, metadata=None) -> None:
+    def _event(
+        self,
+        env: codec.Envelope,
+        stream: str,
+        text: str,
+        data: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
         c = self.controller
         mesh = c.meshes.get(env.mesh_id)
         label = mesh.labels[env.rank] if mesh is not None else f"rank={env.rank}"
@@ -266,7 +282,7 @@ class Receiver:
         pending = c.calls.get(call_id) if call_id is not None else None
         self._deliver(pending, OutputEvent(call_id, env.mesh_id, env.rank, label, stream, text, data, metadata))
 
-    def _deliver(self, pending: Any, event: OutputEvent) -> None:
+    def _deliver(self, pending: PendingCall | None, event: OutputEvent) -> None:
         """To the call's own output (a cell's areas) if it has one, else the controller's."""
         sink = pending.output if pending is not None and pending.output is not None else self.controller.output
         try:
@@ -279,13 +295,13 @@ class Receiver:
             except Exception:
                 traceback.print_exc(file=sys.__stderr__)
 
-    def _on_output(self, env: Any) -> None:
+    def _on_output(self, env: codec.Envelope) -> None:
         self._event(env, env.message.stream, env.message.text)
 
-    def _on_display(self, env: Any) -> None:
+    def _on_display(self, env: codec.Envelope) -> None:
         self._event(env, "display", "", env.message.data, env.message.metadata)
 
-    def _on_input(self, env: Any) -> bool:
+    def _on_input(self, env: codec.Envelope) -> bool:
         msg = env.message
         mesh = self.controller.meshes.get(env.mesh_id)
         if mesh is None:

@@ -6,25 +6,38 @@ import concurrent.futures
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from monarch.runtime.common.errors import WorkerDiedError
 from monarch.runtime.common.shape import Shape
 from monarch.runtime.controller.output import OutputEvent
+
+if TYPE_CHECKING:
+    from monarch.runtime.backends.base import Backend
+    from monarch.runtime.controller.core import Controller
+    from monarch.runtime.wire import codec, protocol
+
+
+class TensorEngine(Protocol):
+    """The tensor engine's controller half (`tensor.engine.Engine`), as the controller and live functions use it."""
+
+    def flush(self) -> None:
+        """Send the tensor commands queued so far (they run before whatever is sent next)."""
 
 
 @dataclass
 class SpawnedMesh:
     """The workers of one spawned mesh; every view of it refers to this."""
 
-    controller: Any
+    controller: Controller
+    """The controller that spawned it."""
     mesh_id: int
     shape: Shape
     labels: list[str]
-    info: list[dict] = field(default_factory=list)
+    backend: Backend
+    """What runs its workers: the local backend, a job's host agents, or the simulator."""
+    info: list[dict[str, Any]] = field(default_factory=list)
     """Per rank: ``{"pid", "host", "device"}``."""
-    backend: Any = None
-    """What runs its workers: the local backend, or a job's host agents."""
     state: str = "starting"
     """starting, running, failed, stopping or stopped."""
     failure: WorkerDiedError | None = None
@@ -33,9 +46,9 @@ class SpawnedMesh:
     order_lock: threading.Lock = field(default_factory=threading.Lock)
     """Held from deciding what the workers lack (a function, a group) until the message that brings it
     is sent, so that no message relying on it, from another thread, overtakes it."""
-    groups: dict[tuple, int] = field(default_factory=dict)
+    groups: dict[tuple[tuple[int, ...], ...], int] = field(default_factory=dict)
     """Rank partition -> group id."""
-    engine: Any = None
+    engine: TensorEngine | None = None
     """The tensor engine's controller half, once `activate()` was used."""
     exit_codes: dict[int, int | None] = field(default_factory=dict)
     """Once stopped: each worker's exit status (0 when it exited as asked)."""
@@ -60,8 +73,8 @@ class PendingCall:
     call_id: int
     mesh: SpawnedMesh
     ranks: tuple[int, ...]
-    future: concurrent.futures.Future
-    replies: dict[int, Any] = field(default_factory=dict)
+    future: concurrent.futures.Future[dict[int, codec.Envelope]]
+    replies: dict[int, codec.Envelope] = field(default_factory=dict)
     """Rank -> its `Reply`'s envelope (the body not yet unpickled)."""
     no_stdin: str | None = None
     """Why this call cannot be given input (workers asking get an error saying so), or None."""
@@ -73,7 +86,7 @@ class PendingCall:
     """`time.monotonic()` when it was sent."""
     failed: bool = False
     """Some rank answered with an error while others still ran (their release is being checked)."""
-    released: dict[int, Any] = field(default_factory=dict)
+    released: dict[int, protocol.Released] = field(default_factory=dict)
     """Rank -> `protocol.Released`: ranks taken out of a collective the failed rank never reached."""
     hang_reported: bool = False
     """Its ranks waiting in a collective were reported (`MONARCH_HANG_REPORT`)."""
@@ -81,7 +94,7 @@ class PendingCall:
     """`time.monotonic()` before which the hang watchdog does not look at it again."""
     disconnected: bool = False
     """The ranks that had answered were asked to shut their groups' connections (`protocol.Control.DISCONNECT`)."""
-    busy: dict[int, Any] = field(default_factory=dict)
+    busy: dict[int, protocol.Busy] = field(default_factory=dict)
     """Rank -> its latest `protocol.Busy` report."""
-    early_errors: list[tuple[Any, str]] = field(default_factory=list)
+    early_errors: list[tuple[codec.Envelope, str]] = field(default_factory=list)
     """(envelope, traceback) of ranks that failed while others ran: shown at once if the call goes on."""

@@ -9,16 +9,22 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from monarch.runtime.wire import protocol
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from monarch.runtime.controller.core import Controller
+    from monarch.runtime.controller.state import SpawnedMesh
 
 
 @dataclass
 class InputRequest:
     """A worker waiting for a line of input (`input()`, `sys.stdin`, or its pdb prompt)."""
 
-    mesh: Any
+    mesh: SpawnedMesh
     """The `SpawnedMesh` it belongs to."""
     rank: int
     label: str
@@ -42,15 +48,33 @@ def terminal_input(req: InputRequest) -> str:
     return input(f"[{req.label}] {req.prompt}")
 
 
+class _DebugServer(Protocol):
+    """What the service needs of the script debugger's server (`debugger.DebugServer`, which imports this
+    module)."""
+
+    closed: bool
+
+    def add(self, req: InputRequest) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class _Receiver(Protocol):
+    """What serving a prompt needs of the controller's `receiving.Receiver` (which imports this module)."""
+
+    def standing_aside(self) -> AbstractContextManager[None]: ...
+
+
 class StdinService:
     """The controller's part that answers input requests: queued by the receiving thread, served by a
     thread waiting for a call (so a prompt appears where the user waits)."""
 
-    def __init__(self, controller: Any, debug_server: Callable[[Any], Any] | None = None) -> None:
+    def __init__(self, controller: Controller, debug_server: Callable[[Any], _DebugServer] | None = None) -> None:
         self.controller = controller
+        """The `core.Controller` (not named as a type: it imports this module)."""
         self._make_debug_server = debug_server
         """Makes the script debugger's server from the controller (`debugger.DebugServer`); None: no server."""
-        self.debug_server: Any = None
+        self.debug_server: _DebugServer | None = None
         """In a script, the `debugger.DebugServer` that pdb prompts go to (made when a rank first pauses)."""
         self.prompt: Callable[[InputRequest], str] = terminal_input
         """Answers one request (the notebook extension puts the notebook's stdin here)."""
@@ -106,7 +130,7 @@ class StdinService:
             self._owner = None
         return queue.popleft() if queue else None
 
-    def serve(self, receiver: Any) -> bool:
+    def serve(self, receiver: _Receiver) -> bool:
         """Answer one waiting request with `self.prompt`; False if none is ready.
 
         Called by threads waiting for calls. A `KeyboardInterrupt` in the answerer propagates (the caller

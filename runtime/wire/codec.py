@@ -25,11 +25,14 @@ import sys
 import types
 import warnings
 from collections import ChainMap
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 import cloudpickle
+
+if TYPE_CHECKING:
+    import zmq
 
 OOB_MIN_BYTES = 4096
 """Buffers at least this large travel as their own frame instead of inside the pickle."""
@@ -46,14 +49,14 @@ class UnknownSender(BadSignature):
 SIG = 32
 _compare = hmac.compare_digest
 
-
+_digest: Callable[[bytes, bytes | memoryview, str], bytes]
 try:
     from _hashlib import hmac_digest as _digest  # what hmac.digest calls, without its checks
 except ImportError:
     _digest = hmac.digest
 
 
-def _sign(key: bytes, parts: list) -> bytes:
+def _sign(key: bytes, parts: list[bytes | memoryview]) -> bytes:
     if len(parts) == 1 and len(parts[0]) < 65536:
         return _digest(key, parts[0], "sha256")  # the common small message: one C call
     h = hmac.new(key, digestmod=hashlib.sha256)
@@ -63,7 +66,7 @@ def _sign(key: bytes, parts: list) -> bytes:
 
 
 # -- tensors as out-of-band buffers ---------------------------------------------------------------
-def _rebuild_tensor(buf, dtype, shape):
+def _rebuild_tensor(buf: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
     import torch
 
     with warnings.catch_warnings():
@@ -72,7 +75,7 @@ def _rebuild_tensor(buf, dtype, shape):
     return flat.view(dtype).reshape(shape)
 
 
-def _reduce_tensor(t):
+def _reduce_tensor(t: Any) -> Any:
     import torch
 
     if (
@@ -92,7 +95,7 @@ def _reduce_tensor(t):
     return _rebuild_tensor, (pickle.PickleBuffer(flat.numpy()), t.dtype, tuple(t.shape))
 
 
-_cloudpickle_code_reduce = getattr(cloudpickle.cloudpickle, "_code_reduce", None)
+_cloudpickle_code_reduce: Any = getattr(cloudpickle.cloudpickle, "_code_reduce", None)  # (private: may be gone)
 _DYNAMIC = "<dynamic-code>"
 
 
@@ -103,11 +106,11 @@ def _code_keeping_its_file(code: Any) -> Any:
     return make, tuple(code.co_filename if a == _DYNAMIC and type(a) is str else a for a in args)
 
 
-class _Pickler(cloudpickle.Pickler):
+class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]  # (cloudpickle: no type information)
     if _cloudpickle_code_reduce is not None:
         dispatch_table = ChainMap({types.CodeType: _code_keeping_its_file}, cloudpickle.Pickler.dispatch_table)
 
-    def reducer_override(self, obj):
+    def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
         if torch is not None and type(obj) is torch.Tensor:
             try:
@@ -127,7 +130,7 @@ class FunctionRef:
     def __init__(self, module: str, qualname: str):
         self.module, self.qualname = module, qualname
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[[str, str], Any], tuple[str, str]]:
         return import_function, (self.module, self.qualname)
 
 
@@ -181,11 +184,11 @@ def _plain(obj: Any, depth: int = 0) -> bool:
     return False
 
 
-def dumps(obj: Any) -> list:
+def dumps(obj: Any) -> list[bytes | memoryview]:
     """Pickle `obj` as ``[body, *buffers]``."""
     if _plain(obj):
         return [pickle.dumps(obj, protocol=5)]
-    buffers: list = []
+    buffers: list[bytes | memoryview] = []
 
     def keep(pb: pickle.PickleBuffer) -> bool:
         raw = pb.raw()
@@ -206,7 +209,7 @@ def dumps_function(fn: Any) -> bytes:
     return f.getvalue()
 
 
-def loads(body, buffers=()) -> Any:
+def loads(body: bytes | memoryview, buffers: Iterable[bytes | memoryview] = ()) -> Any:
     return pickle.loads(body, buffers=buffers)
 
 
@@ -225,11 +228,13 @@ class Envelope:
     rank: int
     seq: int
     message: Any
-    body: Any
-    buffers: list
+    body: bytes | memoryview
+    buffers: list[bytes | memoryview]
 
 
-def encode(key: bytes, mesh_id: int, rank: int, seq: int, message: Any, body: list | None = None) -> list:
+def encode(
+    key: bytes, mesh_id: int, rank: int, seq: int, message: Any, body: Sequence[bytes | memoryview] | None = None
+) -> list[bytes | memoryview]:
     """Frames for `message` from (`mesh_id`, `rank`), with an already pickled body ``[body, *buffers]``.
 
     The first frame is ``signature | mesh id | rank | seq | len(header) | header | body``; each buffer
@@ -241,11 +246,15 @@ def encode(key: bytes, mesh_id: int, rank: int, seq: int, message: Any, body: li
     return [_sign(key, [meta, *body[1:]]) + meta, *body[1:]]
 
 
-def _view(f) -> memoryview:
+def _view(f: zmq.Frame | bytes | memoryview) -> memoryview:
     return f.buffer if hasattr(f, "buffer") else memoryview(f)  # a zmq.Frame, or bytes
 
 
-def decode(key: bytes | Callable[[int, int], bytes | None], frames: list) -> Envelope:
+@overload
+def decode(key: bytes, frames: Sequence[zmq.Frame | bytes | memoryview]) -> Envelope: ...
+@overload
+def decode(key: Callable[[int, int], bytes | None], frames: Sequence[zmq.Frame | bytes | memoryview]) -> Envelope: ...
+def decode(key: Any, frames: Sequence[zmq.Frame | bytes | memoryview]) -> Envelope:
     """Check the signature, then unpickle the message (its body stays bytes). Nothing is unpickled before.
 
     `key` is the key, or a function of the claimed sender ``(mesh id, rank)`` that gives it (None: a sender
@@ -259,7 +268,7 @@ def decode(key: bytes | Callable[[int, int], bytes | None], frames: list) -> Env
         if key is None:
             raise UnknownSender(f"it names no running mesh and rank ({mesh_id}, {rank})")
     if len(frames) == 1:
-        bufs = []
+        bufs: list[bytes | memoryview] = []
         mac = _sign(key, [first[SIG:]])
     else:
         bufs = [_view(f) for f in frames[1:]]

@@ -21,9 +21,9 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -47,7 +47,7 @@ DROPPED = object()
 """`ControllerTransport.recv`'s answer for a message that failed its checks (already logged)."""
 
 
-def _send_whole(sock: zmq.Socket, topic: bytes, frames: list) -> None:
+def _send_whole(sock: zmq.Socket[bytes], topic: bytes, frames: list[bytes | memoryview]) -> None:
     """One message on `topic`, all its frames or (zmq.Again: a subscriber's queue is full) none."""
     if len(frames) == 1:
         sock.send(topic + frames[0], _NOBLOCK)
@@ -124,7 +124,7 @@ class ControllerTransport:
         self._meshes: dict[int, _Mesh] = {}
         self._topics: dict[bytes, tuple[int, int]] = {}
         """Topic -> (mesh id, rank), rank -1 for a mesh's own topic."""
-        self._store_seen: dict[tuple, tuple[int, int]] = {}
+        self._store_seen: dict[tuple[bytes, ...], tuple[int, int]] = {}
         """Store connection -> (its mesh, the sequence number of its last request)."""
         self._rcvtimeo = -1
         self.goodbyes = threading.Condition()
@@ -132,7 +132,7 @@ class ControllerTransport:
         self.log = RateLimitedLog("monarch")
         self.closed = False
 
-    def _socket(self, kind: int, sndhwm: int = 1000, rcvhwm: int = 1000) -> zmq.Socket:
+    def _socket(self, kind: int, sndhwm: int = 1000, rcvhwm: int = 1000) -> zmq.Socket[bytes]:
         s = self.ctx.socket(kind)
         s.setsockopt(zmq.SNDHWM, sndhwm)
         s.setsockopt(zmq.RCVHWM, rcvhwm)
@@ -147,7 +147,7 @@ class ControllerTransport:
         workers), as a CURVE client of the job's key pair; ZeroMQ heartbeats watch each connection. Each
         socket is touched under its owner's lock or on its owner's thread, never while another thread uses it."""
 
-        def connect(sock: zmq.Socket, name: str) -> None:
+        def connect(sock: zmq.Socket[bytes], name: str) -> None:
             # (options are taken at connect or bind time: the binds made before keep serving CURVE)
             curve.client(sock)
             heartbeat(sock)
@@ -156,7 +156,7 @@ class ControllerTransport:
         self._on_each_socket(connect)
 
     def disconnect_agent(self, endpoints: dict[str, str]) -> None:
-        def disconnect(sock: zmq.Socket, name: str) -> None:
+        def disconnect(sock: zmq.Socket[bytes], name: str) -> None:
             try:
                 sock.disconnect(endpoints[name])
             except zmq.ZMQError:
@@ -164,7 +164,7 @@ class ControllerTransport:
 
         self._on_each_socket(disconnect)
 
-    def _on_each_socket(self, do: Callable[[zmq.Socket, str], None]) -> None:
+    def _on_each_socket(self, do: Callable[[zmq.Socket[bytes], str], None]) -> None:
         with self.send_lock:
             if self.closed:
                 return
@@ -230,7 +230,13 @@ class ControllerTransport:
             self.curve.clients.discard(mesh.client_public)
 
     # -- sending -----------------------------------------------------------------------------------
-    def send(self, mesh_id: int, ranks: tuple[int, ...] | None, message: Any, body: list | None = None) -> None:
+    def send(
+        self,
+        mesh_id: int,
+        ranks: tuple[int, ...] | None,
+        message: Any,
+        body: Sequence[bytes | memoryview] | None = None,
+    ) -> None:
         """Sign `message` once and send it to `ranks` of the mesh (None: every worker, in one send).
 
         A worker whose queue is full makes the sender wait for it (backpressure); after `send_stall`
@@ -255,14 +261,18 @@ class ControllerTransport:
                 if held:
                     HOLD.leave()
 
-    def _send_all(self, mesh_id: int, mesh: _Mesh, ranks, frames: list) -> None:
+    def _send_all(
+        self, mesh_id: int, mesh: _Mesh, ranks: tuple[int, ...] | None, frames: list[bytes | memoryview]
+    ) -> None:
         for topic in (mesh.topic,) if ranks is None else [mesh.rank_topics[r] for r in ranks]:
             try:
                 _send_whole(self.cmd, topic, frames)
             except zmq.Again:
                 self._wait_for(mesh_id, mesh, ranks, topic, frames)
 
-    def _wait_for(self, mesh_id: int, mesh: _Mesh, ranks, topic: bytes, frames: list) -> None:
+    def _wait_for(
+        self, mesh_id: int, mesh: _Mesh, ranks: tuple[int, ...] | None, topic: bytes, frames: list[bytes | memoryview]
+    ) -> None:
         """Backpressure: a worker's queue is full. Wait for it to take commands, while its mesh lives."""
         deadline = time.monotonic() + self.settings.send_stall
         pause = 0.00002
@@ -319,7 +329,7 @@ class ControllerTransport:
         mesh = self._meshes.get(mesh_id)
         return mesh.key if mesh is not None and 0 <= rank < len(mesh.seen) else None
 
-    def _verify(self, frames: list, upstream: bool = False) -> Any:
+    def _verify(self, frames: Sequence[zmq.Frame | memoryview], upstream: bool = False) -> Any:
         try:
             env = codec.decode(self._key_of, frames)
             mesh = self._meshes.get(env.mesh_id)
@@ -360,7 +370,7 @@ class ControllerTransport:
         start-up messages (`Ready`, `StartFailed`) returned, anything else dropped. Call it when `cmd_fd`
         is readable, and now and then (any send may consume the fd's edge); it re-arms the fd. Returns
         nothing at once when a sender holds the socket (one waiting for a full queue, say): call again."""
-        out = []
+        out: list[codec.Envelope] = []
         if not self.send_lock.acquire(timeout=0.05):
             return out
         try:
@@ -369,7 +379,7 @@ class ControllerTransport:
             cmd = self.cmd
             while True:
                 try:
-                    frames = cmd.recv_multipart(_NOBLOCK, copy=False)
+                    frames: list[Any] = cmd.recv_multipart(_NOBLOCK, copy=False)  # (the first becomes a view below)
                 except zmq.Again:
                     return out
                 first = frames[0].buffer
@@ -395,11 +405,11 @@ class ControllerTransport:
 
     @property
     def cmd_fd(self) -> int:
-        return self.cmd.getsockopt(zmq.FD)
+        return cast(int, self.cmd.getsockopt(zmq.FD))  # (pyzmq types every option as int | bytes)
 
     @property
     def reply_fd(self) -> int:
-        return self.reply.getsockopt(zmq.FD)
+        return cast(int, self.reply.getsockopt(zmq.FD))
 
     # -- the store's socket (its thread only) ------------------------------------------------------
     def store_recv(self) -> Any:
@@ -410,6 +420,7 @@ class ControllerTransport:
             frames = self.store.recv_multipart(_NOBLOCK, copy=False)
         except zmq.Again:
             return None
+        ident: tuple[bytes, ...]
         if len(frames) > 3 and not len(frames[2]):  # through a host agent: [agent, worker, b"", *message]
             ident, frames = (frames[0].bytes, frames[1].bytes), frames[3:]
         else:
@@ -428,7 +439,7 @@ class ControllerTransport:
             self.log("a store request", f"it failed its checks: {e}")
             return DROPPED
 
-    def store_send(self, ident: tuple, mesh_id: int, message: Any) -> None:
+    def store_send(self, ident: tuple[bytes, ...], mesh_id: int, message: Any) -> None:
         mesh = self._meshes.get(mesh_id)
         if mesh is None:
             return

@@ -106,6 +106,7 @@ def find_servers(directory: str) -> list[tuple[int, str]]:
 def peer_uid(sock: socket.socket) -> int:
     """The user id of the process at the other end of a connected Unix socket."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    uid: int
     _pid, uid, _gid = struct.unpack("3i", creds)
     return uid
 
@@ -139,7 +140,7 @@ class LineReader:
 
     def messages(self) -> list[dict[str, Any]]:
         """The whole messages already received (no I/O)."""
-        out = []
+        out: list[dict[str, Any]] = []
         while b"\n" in self.buffer:
             line, self.buffer = self.buffer.split(b"\n", 1)
             try:

@@ -3,9 +3,13 @@ socket), then delivered: a message cut in half would leave the socket unusable."
 
 from __future__ import annotations
 
-import _signal
+import _signal  # type: ignore[import-not-found]  # (typeshed has no stub for CPython's private _signal)
 import signal
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 
 class InterruptHold:
@@ -20,7 +24,7 @@ class InterruptHold:
         self.pending = False
         self.handler = self._handle  # one bound method, so that getsignal() can recognise it
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.depth:
             self.pending = True
             return
@@ -59,11 +63,11 @@ HOLD = InterruptHold()
 class _Swap:
     """Hold Ctrl-C with a handler of our own for a moment, whatever handler is set (5 µs: the slow way)."""
 
-    def __enter__(self):
-        self.held: list = []
+    def __enter__(self) -> None:
+        self.held: list[FrameType | None] = []
         self.old = signal.signal(signal.SIGINT, lambda signum, frame: self.held.append(frame))
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         signal.signal(signal.SIGINT, self.old)
         if self.held and callable(self.old):
             self.old(signal.SIGINT, self.held[0])

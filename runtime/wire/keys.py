@@ -41,7 +41,7 @@ UPSTREAM = b"\x02"
 class ServerCurve:
     """CURVE for TCP: the server key pair, and a ZAP handler admitting the client keys of live meshes."""
 
-    def __init__(self, ctx: zmq.Context) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
         from zmq.auth.thread import ThreadAuthenticator
 
         self.public, self.secret = zmq.curve_keypair()
@@ -53,7 +53,7 @@ class ServerCurve:
     def callback(self, domain: str, key: bytes) -> bool:
         return key in self.clients
 
-    def serve(self, sock: zmq.Socket) -> None:
+    def serve(self, sock: zmq.Socket[bytes]) -> None:
         sock.curve_secretkey = self.secret
         sock.curve_publickey = self.public
         sock.curve_server = True
@@ -68,12 +68,12 @@ class _QuietLog:
 
     _log = RateLimitedLog("monarch")
 
-    def debug(self, *a, **k) -> None:
+    def debug(self, *a: object, **k: object) -> None:
         pass
 
     info = debug
 
-    def warning(self, msg, *args, **k) -> None:
+    def warning(self, msg: object, *args: object, **k: object) -> None:
         self._log("a connection", "its CURVE key is not one of a running mesh's")
 
     error = warning
@@ -90,13 +90,13 @@ class AgentCurve:
     client_public: bytes
     client_secret: bytes
 
-    def client(self, sock: zmq.Socket) -> None:
+    def client(self, sock: zmq.Socket[bytes]) -> None:
         sock.setsockopt(zmq.CURVE_SERVER, 0)
         sock.curve_serverkey = self.server_public
         sock.curve_publickey = self.client_public
         sock.curve_secretkey = self.client_secret
 
-    def serve(self, sock: zmq.Socket) -> None:
+    def serve(self, sock: zmq.Socket[bytes]) -> None:
         sock.curve_secretkey = self.server_secret
         sock.curve_publickey = self.server_public
         sock.curve_server = True
@@ -109,7 +109,7 @@ class AgentCurve:
         return cls(server_public, server_secret, client_public, client_secret)
 
 
-def curve_client(sock: zmq.Socket, keys: WorkerKeys) -> None:
+def curve_client(sock: zmq.Socket[bytes], keys: WorkerKeys) -> None:
     if keys.server_public is not None:
         sock.curve_serverkey = keys.server_public
         sock.curve_publickey = keys.client_public

@@ -3,6 +3,7 @@ which signs and checks every message on a link."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
@@ -16,7 +17,7 @@ HEARTBEAT_TIMEOUT = 6.0
 that was only slow for lost: on a loaded 2-core VM, with 30-45% steal, a link went 3 s without a beat.)"""
 
 
-def heartbeat(sock: zmq.Socket) -> None:
+def heartbeat(sock: zmq.Socket[bytes]) -> None:
     """ZeroMQ's own heartbeats on `sock`'s next connections: a peer that stops answering (a host whose link
     went down, with no RST) is disconnected after `HEARTBEAT_TIMEOUT`."""
     sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_IVL * 1000))
@@ -33,11 +34,11 @@ class LinkEnd:
         self.seq = 0
         self.seen = 0
 
-    def encode(self, message: Any, body: list | None = None) -> list:
+    def encode(self, message: Any, body: Sequence[bytes | memoryview] | None = None) -> list[bytes | memoryview]:
         self.seq += 1
         return codec.encode(self.key, protocol.LINK, self.me, self.seq, protocol.pack(message), body)
 
-    def decode(self, frames: list, fresh: bool = False) -> codec.Envelope:
+    def decode(self, frames: Sequence[zmq.Frame | bytes | memoryview], fresh: bool = False) -> codec.Envelope:
         """The envelope, its message unpacked; ValueError (or `wire.BadSignature`) for one that fails the
         checks. `fresh`: the first message of a new connection (its numbers start again)."""
         env = codec.decode(self.key, frames)

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -24,13 +24,21 @@ from monarch.runtime.wire import protocol as P
 from monarch.runtime.wire.controller_end import DROPPED, ControllerTransport
 from monarch.runtime.wire.worker_end import StoreConnection, WorkerTransport
 
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from monarch.runtime.wire import codec
+
+    _Answer: TypeAlias = "tuple[bool, bytes | int | str | None] | None"
+    """A request's answer, ``(ok, value)``; None: it waits (a waiter answers it later)."""
+
 
 @dataclass
 class _Waiter:
-    ident: tuple
+    ident: tuple[bytes, ...]
     mesh_id: int
     request: int
-    keys: tuple
+    keys: tuple[str, ...]
     deadline: float
     get: str | None
     """For a `StoreGet`: the key whose value is the answer."""
@@ -51,7 +59,7 @@ class StoreServer:
         os.set_blocking(self._wake_w, False)
         os.set_blocking(self._wake_r, False)
         self._closed = False
-        self._handlers = {
+        self._handlers: dict[type[Any], Callable[[tuple[bytes, ...], codec.Envelope], _Answer]] = {
             P.StoreSet: self._set,
             P.StoreGet: self._get,
             P.StoreAdd: self._add,
@@ -166,12 +174,14 @@ class StoreServer:
             finally:
                 done.set()
 
-    def _answer(self, ident: bytes, mesh_id: int, request: int, ok: bool, value: Any) -> None:
+    def _answer(
+        self, ident: tuple[bytes, ...], mesh_id: int, request: int, ok: bool, value: bytes | int | str | None
+    ) -> None:
         self.transport.store_send(ident, mesh_id, P.StoreAnswer(request, ok, value))
 
     def _serve_waiters(self) -> None:
         now = time.monotonic()
-        done = []
+        done: list[tuple[_Waiter, bool, bytes | str | None]] = []
         with self.lock:
             still = []
             for w in self.waiting:
@@ -187,19 +197,19 @@ class StoreServer:
             self._answer(w.ident, w.mesh_id, w.request, ok, value)
 
     # -- requests (under the lock); each returns (ok, value), or None when it waits ----------------
-    def _set(self, ident, env):
+    def _set(self, ident: tuple[bytes, ...], env: codec.Envelope) -> _Answer:
         self.data[env.message.key] = env.message.value
         return True, None
 
-    def _get(self, ident, env):
-        m = env.message
+    def _get(self, ident: tuple[bytes, ...], env: codec.Envelope) -> _Answer:
+        m: P.StoreGet = env.message
         if self._has(m.key):
             return True, self._value(m.key)
         self.waiting.append(_Waiter(ident, env.mesh_id, env.seq, (m.key,), time.monotonic() + m.timeout, m.key))
         return None
 
-    def _add(self, ident, env):
-        m = env.message
+    def _add(self, ident: tuple[bytes, ...], env: codec.Envelope) -> _Answer:
+        m: P.StoreAdd = env.message
         try:
             value = int(self.data.get(m.key, b"0")) + m.amount
         except ValueError:
@@ -207,28 +217,28 @@ class StoreServer:
         self.data[m.key] = str(value).encode()
         return True, value
 
-    def _compare_set(self, ident, env):
-        m = env.message
+    def _compare_set(self, ident: tuple[bytes, ...], env: codec.Envelope) -> _Answer:
+        m: P.StoreCompareSet = env.message
         current = self.data.get(m.key)
         if (current is None and m.expected == b"") or current == m.expected:
             self.data[m.key] = m.desired
             return True, m.desired
         return True, m.expected if current is None else current
 
-    def _wait(self, ident, env):
-        m = env.message
+    def _wait(self, ident: tuple[bytes, ...], env: codec.Envelope) -> _Answer:
+        m: P.StoreWait = env.message
         if all(self._has(k) for k in m.keys):
             return True, None
         self.waiting.append(_Waiter(ident, env.mesh_id, env.seq, tuple(m.keys), time.monotonic() + m.timeout, None))
         return None
 
-    def _check(self, ident, env):
+    def _check(self, ident: tuple[bytes, ...], env: codec.Envelope) -> _Answer:
         return True, all(self._has(k) for k in env.message.keys)
 
-    def _delete(self, ident, env):
+    def _delete(self, ident: tuple[bytes, ...], env: codec.Envelope) -> _Answer:
         return True, self.data.pop(env.message.key, None) is not None
 
-    def _num_keys(self, ident, env):
+    def _num_keys(self, ident: tuple[bytes, ...], env: codec.Envelope) -> _Answer:
         return True, len(self.data) + len(self.marks)
 
 
@@ -247,7 +257,7 @@ def _store_error(text: str) -> Exception:
     return getattr(dist, "DistStoreError", RuntimeError)(text)
 
 
-def _bytes(value: Any) -> bytes:
+def _bytes(value: str | bytes) -> bytes:
     if isinstance(value, str):
         return value.encode()
     return bytes(value)
@@ -257,7 +267,7 @@ def store_client(transport: WorkerTransport, timeout: datetime.timedelta) -> Any
     """A `torch.distributed.Store` talking to the controller's store (imports torch: workers only)."""
     import torch.distributed as dist
 
-    class _Client(dist.Store):
+    class _Client(dist.Store):  # type: ignore[misc]  # (torch is not type-checked here)
         def __init__(self) -> None:
             super().__init__()
             self.set_timeout(timeout)
@@ -280,35 +290,41 @@ def store_client(transport: WorkerTransport, timeout: datetime.timedelta) -> Any
                 raise _store_error(str(answer.value))
             return answer.value
 
-        def _seconds(self, timeout: Any = None) -> float:
+        def _seconds(self, timeout: datetime.timedelta | float | None = None) -> float:
             t = self.timeout if timeout is None else timeout
             return t.total_seconds() if isinstance(t, datetime.timedelta) else float(t)
 
-        def set(self, key: str, value: Any) -> None:
+        def set(self, key: str, value: str | bytes) -> None:
             self._ask(P.StoreSet(key, _bytes(value)))
 
         def get(self, key: str) -> bytes:
             t = self._seconds()
-            return self._ask(P.StoreGet(key, t), t)
+            value: bytes = self._ask(P.StoreGet(key, t), t)
+            return value
 
         def add(self, key: str, amount: int) -> int:
-            return self._ask(P.StoreAdd(key, int(amount)))
+            value: int = self._ask(P.StoreAdd(key, int(amount)))
+            return value
 
-        def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-            return self._ask(P.StoreCompareSet(key, _bytes(expected), _bytes(desired)))
+        def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+            value: bytes = self._ask(P.StoreCompareSet(key, _bytes(expected), _bytes(desired)))
+            return value
 
-        def wait(self, keys: list[str], timeout: Any = None) -> None:
+        def wait(self, keys: list[str], timeout: datetime.timedelta | float | None = None) -> None:
             t = self._seconds(timeout)
             self._ask(P.StoreWait(tuple(keys), t), t)
 
         def check(self, keys: list[str]) -> bool:
-            return self._ask(P.StoreCheck(tuple(keys)))
+            value: bool = self._ask(P.StoreCheck(tuple(keys)))
+            return value
 
         def delete_key(self, key: str) -> bool:
-            return self._ask(P.StoreDelete(key))
+            value: bool = self._ask(P.StoreDelete(key))
+            return value
 
         def num_keys(self) -> int:
-            return self._ask(P.StoreNumKeys())
+            value: int = self._ask(P.StoreNumKeys())
+            return value
 
         def close(self) -> None:
             with self._all_lock:

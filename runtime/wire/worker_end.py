@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
@@ -38,7 +39,7 @@ class WorkerTransport:
         self._seen = 0
         self.log = RateLimitedLog(f"monarch worker {keys.rank}")
 
-    def _encode(self, message: Any, body: list | None) -> list:
+    def _encode(self, message: Any, body: Sequence[bytes | memoryview] | None) -> list[bytes | memoryview]:
         self._seq += 1
         k = self.keys
         return codec.encode(k.key, k.mesh_id, k.rank, self._seq, protocol.pack(message), body)
@@ -50,7 +51,7 @@ class WorkerTransport:
             frames = self._encode(message, None)
         self.cmd.send_multipart([UPSTREAM + frames[0], *frames[1:]])
 
-    def send(self, message: Any, body: list | None = None) -> None:
+    def send(self, message: Any, body: Sequence[bytes | memoryview] | None = None) -> None:
         """Send `message` up (any thread)."""
         with self._lock:
             frames = self._encode(message, body)
@@ -63,7 +64,7 @@ class WorkerTransport:
         """The next command (blocks); None for one that failed its checks (logged)."""
         cmd = self.cmd
         frame = cmd.recv(copy=False)
-        frames = [frame.buffer[TOPIC:]]
+        frames: list[zmq.Frame | memoryview] = [frame.buffer[TOPIC:]]
         while frame.more:
             frame = cmd.recv(copy=False)
             frames.append(frame)
@@ -105,7 +106,7 @@ class StoreConnection:
         self._seq = 0
         self._seen = 0
 
-    def request(self, message: Any, timeout: float) -> Any:
+    def request(self, message: Any, timeout: float) -> protocol.StoreAnswer:
         """Send `message`, wait up to `timeout` seconds for the answer; `TimeoutError` if none came."""
         k = self.keys
         self._seq += 1
@@ -123,7 +124,7 @@ class StoreConnection:
             if env.seq <= self._seen or env.mesh_id != k.mesh_id:
                 continue
             self._seen = env.seq
-            answer = protocol.unpack(env.message)
+            answer: protocol.StoreAnswer = protocol.unpack(env.message)
             if answer.request == self._seq:
                 return answer
 

@@ -38,12 +38,12 @@ class StartWorkers:
 
     mesh_id: int
     size: int
-    sizes: dict
-    starts: list
+    sizes: dict[str, int]
+    starts: list[tuple[int, dict[str, int], str, int, tuple[bytes, bytes, bytes]]]
     group_timeout: float
-    env: dict
+    env: dict[str, str]
     """Variables the controller sets for its workers (the agent adds the rank ones and its own)."""
-    sys_path: list
+    sys_path: list[str]
     """The controller's `sys.path`: entries that exist on the host follow the workspace and the agent's own."""
     cwd: str
     """The controller's working directory (used where it exists on the host and there is no workspace)."""
@@ -55,7 +55,7 @@ class SignalWorkers:
     request (`RELEASE`, `REPORT`) through the slot file and SIGUSR1."""
 
     mesh_id: int
-    ranks: tuple
+    ranks: tuple[int, ...]
     call_id: int
     kind: int
 
@@ -72,7 +72,7 @@ class StopWorkers:
 @message(43)
 class WorkersStopped:
     mesh_id: int
-    codes: dict
+    codes: dict[int, int | None]
     """Rank -> exit status (0: exited when asked; negative: killed by that signal)."""
 
 
@@ -89,25 +89,25 @@ class WorkerLost:
 class SyncOffer:
     """Controller -> agent: every file of the job's workspace and its content hash (sha256)."""
 
-    files: dict
+    files: dict[str, str]
 
 
 @message(46)
 class SyncWant:
     """Agent -> controller: the files of the offer its copy lacks or has otherwise."""
 
-    paths: list
+    paths: list[str]
 
 
 @message(47)
 class SyncFiles:
     """Controller -> agent: the contents of `paths` (the body: one bytes each, in order)."""
 
-    paths: list
+    paths: list[str]
 
 
 @message(48)
 class Synced:
     """Agent -> controller: the workspace copy matches the offer; `changed` were written or removed."""
 
-    changed: list
+    changed: list[str]

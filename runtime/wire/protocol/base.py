@@ -12,6 +12,7 @@ imports torch, zmq or the rest of the runtime.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from operator import attrgetter
@@ -19,17 +20,27 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-_TYPES: list[type | None] = []
+if sys.version_info >= (3, 11):
+    from typing import dataclass_transform
+else:  # Python 3.10: no-op (the decorator only tells type checkers that `message` makes dataclasses)
+
+    def dataclass_transform(**kwargs: Any) -> Callable[[T], T]:
+        return lambda f: f
+
+
+_TYPES: list[type[Any] | None] = []
 """Every message type, by its tag (the index): the wire carries ``(tag, *fields)``."""
 
 
+@dataclass_transform()
 def message(tag: int) -> Callable[[type[T]], type[T]]:
     """Register a message: a slotted dataclass whose wire tag is `tag`, written out so that adding or moving a
     message never renumbers the others (`tests/test_wire_tags.py` pins every tag)."""
 
     def register(cls: type[T]) -> type[T]:
-        if tag < len(_TYPES) and _TYPES[tag] is not None:
-            raise AssertionError(f"wire tag {tag} of {cls.__name__} is taken by {_TYPES[tag].__name__}")
+        taken = _TYPES[tag] if tag < len(_TYPES) else None
+        if taken is not None:
+            raise AssertionError(f"wire tag {tag} of {cls.__name__} is taken by {taken.__name__}")
         cls = dataclass(slots=True)(cls)
         _register(cls, tag)
         return cls
@@ -37,23 +48,24 @@ def message(tag: int) -> Callable[[type[T]], type[T]]:
     return register
 
 
-def _register(cls: Any, tag: int) -> None:
+def _register(cls: type[Any], tag: int) -> None:
     names = tuple(f.name for f in fields(cls))
     cls._tag = tag
-    cls._values = staticmethod(
+    values: Callable[..., tuple[Any, ...]] = (
         attrgetter(*names) if len(names) > 1 else lambda m, n=names: tuple(getattr(m, x) for x in n)
     )
+    cls._values = staticmethod(values)
     cls._arity = len(names)
     _TYPES.extend([None] * (tag + 1 - len(_TYPES)))
     _TYPES[tag] = cls
 
 
-def types() -> dict[int, type]:
+def types() -> dict[int, type[Any]]:
     """Every registered message type by its wire tag."""
     return {tag: cls for tag, cls in enumerate(_TYPES) if cls is not None}
 
 
-def pack(msg: Any) -> tuple:
+def pack(msg: Any) -> tuple[Any, ...]:
     """`msg` as the tuple that travels: ``(tag, *fields)`` (tuples pickle ~20x faster than instances)."""
     return (msg._tag, *msg._values(msg))
 

@@ -17,14 +17,14 @@ class Call:
     call_id: int
     fid: int
     """The function's id in this mesh; `fn` brings it the first time a worker needs it."""
-    names: tuple
+    names: tuple[str, ...]
     """The dimension names of the mesh view it was called on (the worker's coordinates are in it)."""
-    sizes: tuple
-    ranks: tuple
+    sizes: tuple[int, ...]
+    ranks: tuple[int, ...]
     """The view's global ranks, row-major."""
     fn: bytes | None = None
     """The pickled function, when a worker does not have it yet."""
-    sources: dict | None = None
+    sources: dict[str, list[str]] | None = None
     """``{filename: lines}`` of by-value code, so worker tracebacks show its source."""
 
 
@@ -33,7 +33,7 @@ class MakeGroups:
     """Create (collectively, on every worker of the mesh) the process groups of one rank partition."""
 
     gid: int
-    partition: tuple
+    partition: tuple[tuple[int, ...], ...]
     """Tuples of global ranks, one per group."""
 
 
@@ -69,7 +69,7 @@ class Released:
     """The torch.distributed function it waited in, e.g. ``"all_reduce"``."""
     where: str
     """The user's line that called it, e.g. ``"Cell In[5], line 4"``."""
-    user_groups: list
+    user_groups: list[str]
     """Process groups made by user code (dist.new_group, init_device_mesh) that were torn down with it, as
     the user knows them: ``"pair (ranks 0-1)"``, ``"mesh_2d (a DeviceMesh)"``, ``"a group of ranks 0-3"``."""
 

@@ -39,5 +39,5 @@ class Stacks:
 
     token: int
     """The request's number (in the control request's call id field)."""
-    threads: list
+    threads: list[tuple[str, list[tuple[str, str]]]]
     """(thread name, [(where, source line), ...] outermost first) per thread."""

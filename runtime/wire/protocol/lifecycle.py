@@ -4,20 +4,23 @@ connection), how it is told to stop (`Exit`) and its last word (`Goodbye`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from monarch.runtime.wire.protocol.base import message
+
+if TYPE_CHECKING:
+    from monarch.runtime.wire.keys import WorkerKeys
 
 
 @dataclass
 class WorkerStart:
     """Everything a worker needs to start; handed over privately (the fork server's pipe), with its keys."""
 
-    keys: Any
+    keys: WorkerKeys
     """`wire.keys.WorkerKeys`: mesh id, rank, HMAC key, addresses."""
-    coords: dict
+    coords: dict[str, int]
     """Coordinates in the spawned mesh."""
-    sizes: dict
+    sizes: dict[str, int]
     """Sizes of the spawned mesh."""
     local_rank: int
     """Index among this host's workers (picks the GPU)."""
@@ -25,10 +28,10 @@ class WorkerStart:
     """The coordinates as text (``"host=0,gpu=3"``)."""
     interrupt_path: str
     """A file of int64 slots, one per rank: the call the controller's next SIGINT is meant for."""
-    env: dict
+    env: dict[str, str]
     """Environment to run with (the controller's, plus rank variables)."""
     cwd: str
-    sys_path: list
+    sys_path: list[str]
     threads: int
     """torch intra-op threads."""
     parent_pid: int | None
@@ -43,7 +46,7 @@ class WorkerStart:
 class Ready:
     """The worker is up: connected, in its process group, serving commands."""
 
-    info: dict
+    info: dict[str, Any]
     """``{"pid", "host", "device"}``."""
 
 

@@ -3,6 +3,8 @@ and the answer the controller sends down (`StdinReply`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from monarch.runtime.wire.protocol.base import message
 
 
@@ -21,8 +23,8 @@ class Display:
     """A rich display made on a worker (`display(...)`, a matplotlib figure)."""
 
     call_id: int | None
-    data: dict
-    metadata: dict
+    data: dict[str, Any]
+    metadata: dict[str, Any]
 
 
 @message(13)

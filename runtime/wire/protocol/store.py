@@ -36,13 +36,13 @@ class StoreCompareSet:
 
 @message(18)
 class StoreWait:
-    keys: tuple
+    keys: tuple[str, ...]
     timeout: float
 
 
 @message(19)
 class StoreCheck:
-    keys: tuple
+    keys: tuple[str, ...]
 
 
 @message(20)

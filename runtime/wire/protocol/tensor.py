@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from monarch.runtime.wire.protocol.base import message, pack, unpack
+
+if TYPE_CHECKING:
+    from typing import ClassVar
 
 
 class Ref:
@@ -15,7 +18,7 @@ class Ref:
     def __init__(self, id: int):
         self.id = id
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[Ref], tuple[int]]:
         return Ref, (self.id,)
 
 
@@ -24,8 +27,8 @@ class Op:
     """Run torch op `name` (``"aten::add.Tensor"``) and keep its results under the ids in `out`."""
 
     name: str
-    args: tuple
-    kwargs: dict
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
     out: Any
     """An id, None, or a (nested) list of ids matching the op's results."""
     where: str
@@ -42,7 +45,7 @@ class Reduce:
     size: int
     reduction: str
     scatter: bool
-    shape: tuple
+    shape: tuple[int, ...]
     dtype: Any
     device_type: str
     where: str
@@ -54,8 +57,8 @@ class MoveWithin:
 
     src: int
     out: int
-    pairs: list
-    shape: tuple
+    pairs: list[tuple[int, int]]
+    shape: tuple[int, ...]
     dtype: Any
     device_type: str
     where: str
@@ -66,8 +69,8 @@ class SendTo:
     """This mesh's half of a move to another spawned mesh, over two-worker links ``(s, d, name)``."""
 
     src: int
-    links: list
-    shape: tuple
+    links: list[tuple[int, int, str]]
+    shape: tuple[int, ...]
     dtype: Any
     where: str
     peer_mesh: int
@@ -78,8 +81,8 @@ class RecvFrom:
     """The receiving mesh's half of a move between spawned meshes."""
 
     out: int
-    links: list
-    shape: tuple
+    links: list[tuple[int, int, str]]
+    shape: tuple[int, ...]
     dtype: Any
     device_type: str
     where: str
@@ -96,7 +99,7 @@ class Alias:
 
 @message(29)
 class Free:
-    refs: list
+    refs: list[int]
 
 
 @message(30)
@@ -122,6 +125,8 @@ class OnStream:
 
     stream_id: int
     cmd: Any
+    if TYPE_CHECKING:
+        _tag: ClassVar[int]  # (every message's: set by `message`)
 
 
 @message(33)
@@ -149,7 +154,7 @@ class BorrowEnd:
 class ProfileStart:
     """Start the profiler on each worker (`monarch.profiler.profile`); `config` holds plain values only."""
 
-    config: dict
+    config: dict[str, Any]
 
 
 @message(36)
@@ -165,9 +170,9 @@ class ProfileMark:
     enter: bool
 
 
-def pack_commands(cmds: list) -> list:
+def pack_commands(cmds: list[Any]) -> list[tuple[Any, ...]]:
     """A batch of tensor commands for the wire (`OnStream` holds a command: packed too)."""
-    out = []
+    out: list[tuple[Any, ...]] = []
     for c in cmds:
         if type(c) is OnStream:
             out.append((c._tag, c.stream_id, pack(c.cmd)))
@@ -176,7 +181,7 @@ def pack_commands(cmds: list) -> list:
     return out
 
 
-def unpack_commands(items: list) -> list:
+def unpack_commands(items: list[Any]) -> list[Any]:
     out = []
     for t in items:
         c = unpack(t)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from browser_lab import CHROMIUM, CHROMIUM_ARGS, require_chromium
+from helpers.browser_lab import CHROMIUM, CHROMIUM_ARGS, require_chromium
 
 IMPORT_ERRORS = "select name, value from stats where severity in ('error', 'data_loss') and value > 0"
 """What Perfetto's importer could not read (a query for `query`: no rows when it read everything)."""
