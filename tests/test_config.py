@@ -1,5 +1,8 @@
 """Settings: every MONARCH_* knob read once, bad values named with what is allowed."""
 
+import os
+import pathlib
+
 import pytest
 
 from monarch.runtime.common.config import Settings, from_env
@@ -25,3 +28,43 @@ def test_a_bad_value_names_the_variable_and_what_is_allowed(var, value, message)
     with pytest.raises(ValueError) as e:
         from_env({var: value})
     assert str(e.value) == message
+
+
+def test_every_knob_is_read_in_config_py_alone():
+    """No module but `common/config.py` reads a `MONARCH_*` variable from the environment."""
+    import ast
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found = []
+    for top in ("runtime", "kernel", "extension", "widgets", "monarch"):
+        for d, _, files in os.walk(os.path.join(repo, top)):
+            for f in files:
+                path = os.path.join(d, f)
+                if not f.endswith(".py") or os.path.relpath(path, repo) == os.path.join(
+                    "runtime", "common", "config.py"
+                ):
+                    continue
+                for node in ast.walk(ast.parse(open(path).read())):
+                    # os.environ.get("MONARCH_X"), os.getenv("MONARCH_X"), os.environ["MONARCH_X"]
+                    if isinstance(node, ast.Call) and node.args and isinstance(node.func, ast.Attribute):
+                        arg = node.args[0]
+                        if node.func.attr in ("get", "getenv") and isinstance(arg, ast.Constant):
+                            if str(arg.value).startswith("MONARCH_"):
+                                found.append(f"{path}:{node.lineno}")
+                    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+                        if str(node.slice.value).startswith("MONARCH_") and isinstance(node.ctx, ast.Load):
+                            found.append(f"{path}:{node.lineno}")
+    assert found == []
+
+
+def test_the_knobs_read_when_used_follow_the_environment(monkeypatch, tmp_path):
+    from monarch.runtime.common import config
+
+    monkeypatch.setenv("MONARCH_JOBS_DIR", str(tmp_path / "jobs"))
+    monkeypatch.setenv("MONARCH_SIM_PROFILES", str(tmp_path / "sim"))
+    monkeypatch.setenv("MONARCH_LOG", " INFO ")
+    assert (config.jobs_dir(), config.sim_profiles_dir(), config.log_level_name()) == (
+        tmp_path / "jobs", tmp_path / "sim", "info",
+    )  # fmt: skip
+    monkeypatch.delenv("MONARCH_JOBS_DIR")
+    assert config.jobs_dir() == pathlib.Path.home() / ".monarch" / "jobs"

@@ -2,8 +2,12 @@
 
 The controller reads them; workers get the values they need from the controller when they start
 (`protocol.WorkerStart`), so a worker never reads a knob of its own. Bad values are a `ValueError` naming the
-variable, the value and what is allowed. (`MONARCH_LOG` is read by `log.py`, in each process: a bad value
-there is a warning, not an error, as logging must never stop a run.)
+variable, the value and what is allowed.
+
+Three knobs are read here too, but when used rather than once, as a process may switch them: `jobs_dir()`
+(``MONARCH_JOBS_DIR``), `sim_profiles_dir()` (``MONARCH_SIM_PROFILES``) and `log_level_name()`
+(``MONARCH_LOG``, read by every process, workers too: `common/log.py` turns a bad value into a warning, not an
+error, as logging must never stop a run).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -101,3 +106,21 @@ def from_env(env: dict[str, str] | os._Environ = os.environ) -> Settings:
 def settings() -> Settings:
     """This process's settings (read from the environment on first use)."""
     return from_env()
+
+
+def jobs_dir() -> Path:
+    """[MONARCH_JOBS_DIR] Where Slurm jobs' directories are made and found (default ``~/.monarch/jobs``); it
+    must be on a disk the job's hosts share, at the same path."""
+    return Path(os.environ.get("MONARCH_JOBS_DIR") or Path.home() / ".monarch" / "jobs")
+
+
+def sim_profiles_dir() -> Path:
+    """[MONARCH_SIM_PROFILES] Where `Simulator.calibrate()` saves this machine's profile and where
+    ``device="<hostname>"`` finds it (default ``~/.cache/monarch/sim``)."""
+    return Path(os.environ.get("MONARCH_SIM_PROFILES") or Path.home() / ".cache" / "monarch" / "sim")
+
+
+def log_level_name() -> str:
+    """[MONARCH_LOG] The runtime's log level as given (``debug``, ``info`` or ``warning``; "" when unset);
+    `common/log.py` checks it."""
+    return os.environ.get("MONARCH_LOG", "").strip().lower()

@@ -15,12 +15,13 @@ that it does not already say in words.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import IO
+
+from monarch.runtime.common import config
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
 """The values of ``MONARCH_LOG``."""
@@ -59,7 +60,7 @@ class _Stderr(logging.StreamHandler):
 
 def level_from_env(warn: bool) -> int:
     """``MONARCH_LOG``'s level; a bad value warns (if `warn`) and gives the default."""
-    text = os.environ.get("MONARCH_LOG", "").strip().lower()
+    text = config.log_level_name()
     level = LEVELS.get(text or DEFAULT)
     if level is None:
         if warn:

@@ -18,11 +18,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from monarch.runtime.common import config
 from monarch.runtime.wire.keys import AgentCurve
 
 
 def jobs_root() -> Path:
-    return Path(os.environ.get("MONARCH_JOBS_DIR") or Path.home() / ".monarch" / "jobs")
+    """Where jobs' directories live (`config.jobs_dir`, ``MONARCH_JOBS_DIR``)."""
+    return config.jobs_dir()
 
 
 def write_private(path: Path, data: Any) -> None:

@@ -15,6 +15,8 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from monarch.runtime.common import config
+
 
 @dataclass(frozen=True)
 class DeviceProfile:
@@ -183,8 +185,8 @@ as a collective sees it (bus bandwidth), a little under the links' peak."""
 
 
 def profile_dir() -> Path:
-    """Where `calibrate()` saves profiles: ``$MONARCH_SIM_PROFILES`` or ``~/.cache/monarch/sim``."""
-    return Path(os.environ.get("MONARCH_SIM_PROFILES") or Path.home() / ".cache" / "monarch" / "sim")
+    """Where `calibrate()` saves profiles (`config.sim_profiles_dir`, ``MONARCH_SIM_PROFILES``)."""
+    return config.sim_profiles_dir()
 
 
 def local_profile_path() -> Path:
