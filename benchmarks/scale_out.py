@@ -2,7 +2,7 @@
 
     sudo python benchmarks/scale_out.py [--hosts 1,2,4] [--workers 2]     # or: ./run bench --slurm
 
-Needs root and Slurm's packages (as the scale-out tests do): it brings up tests/slurm_cluster.py's Slurm
+Needs root and Slurm's packages (as the scale-out tests do): it brings up tests/helpers/slurm_cluster.py's Slurm
 with 4 fake hosts (network namespaces on a bridge, a slurmd each) and takes it all down again at the end.
 For each host count H (W workers per host), each side in a fresh process:
 
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from run import header  # noqa: E402
 
-from slurm_cluster import CONTROLLER_ADDR, Cluster, missing  # noqa: E402
+from helpers.slurm_cluster import CONTROLLER_ADDR, Cluster, missing  # noqa: E402
 
 ROUND_TRIPS = 300
 CPU_CALLS = 300

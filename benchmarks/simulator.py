@@ -37,7 +37,7 @@ from monarch.actor import this_host
 from monarch.runtime.simulator.simulator import Simulator
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from tutorial_ddp import Net, make_train  # noqa: E402  (the tutorial's, shared with tests/test_simulator.py)
+from helpers.tutorial_ddp import Net, make_train  # noqa: E402  (the tutorial's, shared with tests/test_simulator.py)
 
 
 class Block(nn.Module):

@@ -5,7 +5,7 @@ controller process, as a kernel that lives for days would run them.
 
 Each round:
 - attaches to a job of two host agents on this machine (real agent processes on 127.0.0.1 and 127.0.0.2,
-  started by `tests/agent_job.py`), spawns {host: 2, gpu: 1} there, runs an all_reduce over a
+  started by `tests/helpers/agent_job.py`), spawns {host: 2, gpu: 1} there, runs an all_reduce over a
   dimension's group (a rendezvous through the store, relayed by the agents), exits the mesh (the
   controller detaches from the agents);
 - spawns {gpu: 2} locally, makes a group, prints a burst from a call nobody waits for and exits at once:
@@ -33,7 +33,7 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from agent_job import AgentJob  # noqa: E402  (two host agents on this machine, as the tests start them)
+from helpers.agent_job import AgentJob  # noqa: E402  (two host agents on this machine, as the tests start them)
 
 BURST = 2000
 """Lines each local worker prints just before its mesh exits."""

@@ -21,8 +21,8 @@ import monarch
 import monarch.notebook
 from monarch.actor import this_host
 
-from agent_job import AgentJob
 from conftest import pid_alive, say_started, started, wait_for, wait_gone, worker_pids
+from helpers.agent_job import AgentJob
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -230,14 +230,13 @@ def test_one_rank_failing_before_a_collective_releases_the_ranks_on_other_hosts_
     """Rank 1 (host 0) raises; ranks 0 (host 0) and 2-3 (host 1) wait in all_reduce: all are released."""
     pids = worker_pids(mesh)
     for _ in range(3):  # (and again, on the groups re-formed after the last one)
-        t0 = time.monotonic()
+        # Released promptly, not by the groups' timeout (600 s): the wait has a deadline far below it, and a
+        # release that never came would end it with TimeoutError (benchmarks/faults.py has the real figure).
         with pytest.raises(monarch.RemoteError) as e:
-            fails_on_rank_1_before_all_reduce.on(mesh)()
-        took = time.monotonic() - t0
+            fails_on_rank_1_before_all_reduce.on(mesh).call_async().result(timeout=30)
         text = str(e.value)
         assert "bad input shape on rank 1" in text
         assert "ranks 0, 2-3 were released from all_reduce" in text, text
-        assert took < 20, took  # (the group timeout is 600 s; benchmarks/faults.py has the real figure)
         assert list(where.on(mesh)()) == [6.0] * 4 and worker_pids(mesh) == pids  # the groups re-formed
 
 

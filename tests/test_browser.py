@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from browser_lab import CHROMIUM, CHROMIUM_ARGS, Lab, cmdline, descendants, require_chromium
 from conftest import REPO, wait_gone
+from helpers.browser_lab import CHROMIUM, CHROMIUM_ARGS, Lab, cmdline, descendants, require_chromium
 
 sync_api = require_chromium(allow_module_level=True)
 expect = sync_api.expect

@@ -204,20 +204,27 @@ def test_controller_sigkill_takes_every_busy_worker_down_and_the_next_start_clea
 
 INTERRUPTED = textwrap.dedent(
     """
-    import signal, threading, time, os
+    import glob, signal, sys, threading, time, os
     import monarch
     from monarch.actor import this_host
 
     mesh = this_host().spawn_procs({"gpu": 2})
+    marker = sys.argv[1]
 
     @monarch.remote
-    def busy():
-        import time
+    def busy(marker):
+        import os, time
+        open(f"{marker}.{os.getpid()}", "w").close()
         time.sleep(30)
 
-    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    def ctrl_c_once_both_run():  # (once the call runs on both workers, not after a fixed delay)
+        while len(glob.glob(marker + ".*")) < 2:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=ctrl_c_once_both_run, daemon=True).start()
     try:
-        busy.on(mesh)()
+        busy.on(mesh)(marker)
     except KeyboardInterrupt as e:
         print("INTERRUPTED", "time.sleep(30)" in str(e), flush=True)
     @monarch.remote
@@ -232,7 +239,9 @@ INTERRUPTED = textwrap.dedent(
 def test_ctrl_c_interrupts_workers_and_they_stay_alive(tmp_path):
     script = tmp_path / "interrupt.py"
     script.write_text(INTERRUPTED)
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "busy")], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     assert "INTERRUPTED True" in r.stdout  # ended by the interrupt, showing where the workers were
     assert "NEXT [1, 1]" in r.stdout
@@ -315,17 +324,19 @@ def test_ctrl_c_on_a_call_queued_behind_another_threads_call_leaves_that_call_al
     shipped for the next call."""
     import threading
 
+    from monarch.runtime.controller import Controller
+
     mesh = this_host().spawn_procs({"gpu": 2})
     pids = worker_pids(mesh)
-    marker = tmp_path / "ran"
-
-    started = tmp_path / "started"
-    started.mkdir()
+    marker, after = tmp_path / "ran", tmp_path / "ran-after"
+    marks = str(tmp_path / "slow")
+    release = tmp_path / "release"
 
     @monarch.remote
-    def slow():
-        open(os.path.join(str(started), str(os.getpid())), "a").close()
-        time.sleep(1.5)
+    def slow(marks, release):
+        say_started(marks)
+        while not os.path.exists(release):  # (busy until the test has interrupted the queued call)
+            time.sleep(0.01)
         return "slow done"
 
     @monarch.remote
@@ -333,22 +344,35 @@ def test_ctrl_c_on_a_call_queued_behind_another_threads_call_leaves_that_call_al
         open(path, "a").close()
         return "touched"
 
+    def waiting_for_its_call(ident: int) -> bool:
+        """Whether thread `ident` is in the controller's wait for a call (sent, its replies awaited)."""
+        f = sys._current_frames().get(ident)
+        while f is not None and f.f_code is not Controller.wait.__code__:
+            f = f.f_back
+        return f is not None
+
+    def ctrl_c_once_the_queued_call_waits():  # (not after a fixed delay)
+        wait_for(lambda: waiting_for_its_call(threading.main_thread().ident), what="the queued call's wait")
+        os.kill(os.getpid(), signal.SIGINT)
+
     try:
         results = []
-        other = threading.Thread(target=lambda: results.append(list(slow.on(mesh)())))
+        other = threading.Thread(target=lambda: results.append(list(slow.on(mesh)(marks, str(release)))))
         other.start()
-        deadline = time.monotonic() + 30
-        while len(list(started.iterdir())) < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)  # until slow runs on both workers
-        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-        with pytest.raises(KeyboardInterrupt, match="ranks 0-1 are busy with an earlier call and will skip this one"):
-            touch.on(mesh)(str(marker))
+        wait_for(lambda: started(marks, 2), what="slow running on both workers")
+        threading.Thread(target=ctrl_c_once_the_queued_call_waits, daemon=True).start()
+        try:
+            with pytest.raises(
+                KeyboardInterrupt, match="ranks 0-1 are busy with an earlier call and will skip this one"
+            ):
+                touch.on(mesh)(str(marker))
+        finally:
+            release.touch()
         other.join(10)
         assert results == [["slow done", "slow done"]]  # the other thread's call was not interrupted
-        time.sleep(0.2)
-        assert not marker.exists()  # the interrupted call was skipped
-        assert list(touch.on(mesh)(str(marker))) == ["touched", "touched"]
-        assert marker.exists()
+        # each worker takes calls in order: once the next one has run, the interrupted one has been passed
+        assert list(touch.on(mesh)(str(after))) == ["touched", "touched"]  # (its function stays shipped)
+        assert after.exists() and not marker.exists()  # the interrupted call was skipped
     finally:
         mesh.exit()
     assert wait_gone(pids) == []

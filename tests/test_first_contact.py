@@ -13,7 +13,7 @@ import pytest
 import tomllib
 
 from conftest import REPO, wait_gone
-from kernel_client import Kernel, monarch_kernel
+from helpers.kernel_client import Kernel, monarch_kernel
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -26,7 +26,7 @@ from monarch.runtime.controller import Controller, get_controller
 from monarch.runtime.mesh import ProcMesh
 from monarch.runtime.wire import codec, protocol
 
-from conftest import wait_gone, worker_pids
+from conftest import wait_for, wait_gone, worker_pids
 
 root_only = pytest.mark.skipif(os.getuid() != 0, reason="needs root, to act as another user (nobody)")
 
@@ -35,10 +35,10 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def as_nobody(attack: str, *args) -> subprocess.Popen:
-    """Run `attacker.<attack>(*args)` as uid/gid `nobody` in a fresh interpreter (a fork of this threaded
+    """Run `helpers.attacker.<attack>(*args)` as uid/gid `nobody` in a fresh interpreter (a fork of this threaded
     process could hang on a lock another thread held), and wait until it says it is in place."""
     code = (
-        "import json, sys, attacker; attacker.become_nobody(); "
+        "import json, sys; from helpers import attacker; attacker.become_nobody(); "
         "print(json.dumps(getattr(attacker, sys.argv[1])(*json.loads(sys.argv[2]))))"
     )
     proc = subprocess.Popen(
@@ -176,9 +176,11 @@ def test_fake_subscriptions_upstream_junk_and_a_never_reading_subscriber_change_
             junk.send(b"x" * (i % 50))
         for _ in range(40):  # 800 MB of arguments, each a fresh object: kept if queued for the attacker
             assert list(echo.on(mesh)(b"\0" * (20 << 20))) == [20 << 20] * 2
-        time.sleep(1)  # the monitor drains the command socket twice a second
-        grew = _rss_mib() - before
-        assert grew < 300, f"the controller grew by {grew:.0f} MiB"
+        # The monitor drains the command socket twice a second: once it has, the controller holds nothing of
+        # the junk nor of the arguments (queued without bound, they would never be given back).
+        wait_for(
+            lambda: _rss_mib() - before < 300, what=f"the controller's memory back within 300 MiB of {before:.0f} MiB"
+        )
         assert not attacker.poll(200), "the fake subscriber received a command"
         again = this_host().spawn_procs({"gpu": 2})  # spawning still works
         assert list(echo.on(again)(3)) == [3, 3]
@@ -238,19 +240,23 @@ def test_a_replayed_reply_is_refused(capfd):
     key = transport._meshes[mesh.spawned.mesh_id].key
     out = zmq.Context.instance().socket(zmq.PUSH)
     out.connect(transport.reply_addr)
+    printed = []  # what was printed so far (readouterr() takes it)
     try:
         list(echo.on(mesh)(1))
         seen = transport._meshes[mesh.spawned.mesh_id].seen[0]
         stale = codec.encode(key, mesh.spawned.mesh_id, 0, seen, protocol.pack(protocol.Output(None, "stdout", "X\n")))
         out.send_multipart(stale)
         list(echo.on(mesh)(2))
-        time.sleep(0.1)
+        wait_for(
+            lambda: printed.append(capfd.readouterr()) or any("dropped a replayed message" in c.err for c in printed),
+            what="the replayed reply to be dropped",
+        )
     finally:
         out.close(0)
         mesh.exit()
     assert wait_gone(pids) == []
-    captured = capfd.readouterr()
-    assert "[gpu=0] X" not in captured.out and "dropped a replayed message" in captured.err
+    printed.append(capfd.readouterr())
+    assert not any("[gpu=0] X" in c.out for c in printed)
 
 
 # -- a frozen worker ---------------------------------------------------------------------------------

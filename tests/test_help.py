@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from kernel_client import monarch_kernel
+from helpers.kernel_client import monarch_kernel
 
 
 def _page(reply: dict) -> str:

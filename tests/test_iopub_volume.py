@@ -9,7 +9,7 @@ import json
 import pytest
 
 from conftest import wait_gone
-from kernel_client import monarch_kernel
+from helpers.kernel_client import monarch_kernel
 
 PER_RANK = 8 << 20
 LINE = 100

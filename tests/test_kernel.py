@@ -9,12 +9,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 
 import pytest
 
-from conftest import wait_gone
-from kernel_client import Kernel, monarch_kernel
+from conftest import started, wait_gone
+from helpers.kernel_client import Kernel, monarch_kernel
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -131,11 +130,12 @@ def test_bad_arguments(kernel: Kernel, line: str, message: str):
     assert message in r.text()
 
 
-def test_interrupt_stops_busy_workers_and_they_survive(kernel: Kernel):
+def test_interrupt_stops_busy_workers_and_they_survive(kernel: Kernel, tmp_path):
     pids = kernel.worker_pids()
-    timer = threading.Timer(1.0, kernel.km.interrupt_kernel)
-    timer.start()
-    r = kernel.run("%%mesh\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)", timeout=30)
+    marker = str(tmp_path / "sleeping")
+    kernel.interrupt_when(lambda: started(marker, 4), "the cell sleeping on every rank")
+    code = f"%%mesh\nimport time; open({marker!r} + f'.{{rank}}', 'w').close()\nprint('sleeping', flush=True)\ntime.sleep(60)"
+    r = kernel.run(code, timeout=30)
     assert r.status == "error"
     tb = r.text()
     assert "KeyboardInterrupt" in tb and "interrupted" in tb and "time.sleep(60)" in tb and "ranks 0-3" in tb
@@ -223,12 +223,15 @@ def test_install_writes_absolute_interpreter():
         assert spec["display_name"] == "Monarch (PyTorch mesh) [mk]"
 
 
-def test_interrupt_during_a_live_function(kernel: Kernel):
-    setup = "import monarch, time\n@monarch.remote\ndef snooze():\n    time.sleep(60)\nm = get_ipython().run_line_magic('mesh', 'status').mesh"
+def test_interrupt_during_a_live_function(kernel: Kernel, tmp_path):
+    setup = (
+        "import monarch, os, time\n@monarch.remote\ndef snooze(marker):\n    open(f'{marker}.{os.getpid()}', 'w').close()\n"
+        "    time.sleep(60)\nm = get_ipython().run_line_magic('mesh', 'status').mesh"
+    )
     assert kernel.run(setup).status == "ok"
-    timer = threading.Timer(1.0, kernel.km.interrupt_kernel)
-    timer.start()
-    r = kernel.run("snooze.on(m)()", timeout=30)
+    marker = str(tmp_path / "snoozing")
+    kernel.interrupt_when(lambda: started(marker, 4), "snooze running on every rank")
+    r = kernel.run(f"snooze.on(m)({marker!r})", timeout=30)
     assert r.status == "error"
     assert "snooze interrupted" in r.text() and "time.sleep(60)" in r.text()
     assert kernel.run("%%mesh\nrank").status == "ok"

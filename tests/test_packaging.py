@@ -19,7 +19,7 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 
 from conftest import REPO, wait_gone
-from kernel_client import Kernel
+from helpers.kernel_client import Kernel
 
 FOLDERS = ("monarch", "runtime", "kernel", "extension", "widgets")
 """The checkout's folders that make up the package `monarch` (setup.py maps them)."""

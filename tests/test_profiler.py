@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 
-import perfetto_tp
 import pytest
 import torch
 
@@ -15,6 +14,7 @@ from monarch.profiler import Schedule, profile, record_function
 from monarch.runtime.tools import traces
 
 from conftest import wait_gone, worker_pids
+from helpers import perfetto_tp
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -217,7 +217,7 @@ def test_bad_arguments_say_what_is_allowed(mesh4, tmp_path):
 
 
 def test_mesh_profile_in_a_notebook_shows_the_timeline_and_names_the_slow_rank(tmp_path):
-    from kernel_client import monarch_kernel
+    from helpers.kernel_client import monarch_kernel
 
     out = tmp_path / "cell-traces"
     with monarch_kernel() as k:

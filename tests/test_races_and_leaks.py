@@ -221,7 +221,7 @@ def test_attaching_to_a_job_again_and_again_leaks_no_descriptors(tmp_path):
     a notebook that spawns on a job cell after cell ran out of descriptors in the end."""
     import monarch.notebook
 
-    from agent_job import AgentJob
+    from helpers.agent_job import AgentJob
 
     job = AgentJob(tmp_path, "fds", hosts=2)
     job.start()

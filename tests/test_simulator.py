@@ -6,19 +6,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
-import perfetto_tp
 import pytest
 import torch
 import torch.nn as nn
-from tutorial_ddp import Net, make_train
 
 import monarch
+
+from helpers import perfetto_tp
+from helpers.tutorial_ddp import Net, make_train
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -489,11 +491,13 @@ def test_calibration_measures_this_machine_and_the_simulator_uses_it(tmp_path, m
     assert saved["flops"]["float32"] > 1e8
     if saved["kind"] == "cpu":  # compute and a reduce overlapping on 2 workers; hand-overs between threads
         print("contention:", saved["compute_contention"], saved["comm_contention"], "handoff:", saved["handoff"])
-        assert saved["compute_contention"] >= 1.0 and saved["comm_contention"] >= 1.0 and saved["handoff"] >= 0.0
-        assert "contention_comm" in saved["measured"]["per_rank"][0]
+        # (each factor is clamped to 1 or more, and the hand-over's cost and the controller's load below at 0 and
+        # 1 or more: a bound would say nothing; what can be checked is that the profile holds the measurement)
+        per_rank = saved["measured"]["per_rank"]
+        for key in ("compute", "comm"):
+            assert saved[f"{key}_contention"] == statistics.median(r[f"contention_{key}"] for r in per_rank), key
         assert saved["reduce_floor"] == saved["measured"]["collectives"][0]["1"] > 0  # gloo, one element
         print("controller load:", saved["controller_load"])
-        assert saved["controller_load"] >= 1.0
     # the engine's own cost per reduce (over one rank), and each op of the sample step beyond a tiny add_
     # (measured less the round trip, clamped at 0: on a loaded machine a quick calibration can read 0)
     assert all(isinstance(v, (int, float)) for v in (saved["reduce_overhead"], saved["measured"]["one_rank_reduce"]))

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import monarch
 from monarch.actor import this_host
 
-from conftest import wait_gone, worker_pids
-from kernel_client import Kernel, monarch_kernel
+from conftest import started, wait_gone, worker_pids
+from helpers.kernel_client import Kernel, monarch_kernel
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -76,15 +76,14 @@ def test_groups_made_in_cells_are_named_as_torn_down(kernel: Kernel):
     assert r.status == "ok", r.text()
 
 
-def test_a_rank_still_busy_is_named_before_the_next_cell_instead_of_waiting_for_it(kernel: Kernel):
+def test_a_rank_still_busy_is_named_before_the_next_cell_instead_of_waiting_for_it(kernel: Kernel, tmp_path):
     """A rank that ignores the interrupt keeps running; the next cell says at once which rank runs what."""
-    import threading
-
+    marker = str(tmp_path / "sleeping")
     code = (
-        "%%mesh\nimport time\n"
+        f"%%mesh\nimport time; open({marker!r} + f'.{{rank}}', 'w').close()\n"  # (line 2: line 7 stays line 7)
         "try:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    if rank == 2:\n        time.sleep(60)\n"
     )
-    threading.Timer(1.0, kernel.km.interrupt_kernel).start()
+    kernel.interrupt_when(lambda: started(marker, 4), "the cell sleeping on every rank")
     r = kernel.run(code, timeout=30)
     assert r.status == "error"
     r = kernel.run("%%mesh\nrank", timeout=10)

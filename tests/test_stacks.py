@@ -18,7 +18,7 @@ import monarch
 from monarch.actor import this_host
 
 from conftest import wait_gone, worker_pids
-from kernel_client import monarch_kernel
+from helpers.kernel_client import monarch_kernel
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -113,10 +113,10 @@ def test_the_notebook_says_which_ranks_wait_in_which_collective_and_who_lags(mon
         assert k.run("%%mesh gpu=4\nimport time, torch, torch.distributed as dist").status == "ok"  # (imports done)
         cell = "%%mesh\nt = torch.ones(1)\nif rank == 1:\n    time.sleep(8)\n"
         cell += "dist.all_reduce(t)"
-        t0 = time.monotonic()
-        r = k.run(cell, timeout=60)
+        # The report does not hold the cell up: it ends with rank 1's 8 s nap, well within this deadline
+        # (the default MONARCH_HANG_REPORT, 30 s, would have said nothing in so short a cell).
+        r = k.run(cell, timeout=30)
         assert r.status == "ok", r.text()
-        took = time.monotonic() - t0
         live = [it for it in r.custom_items() if it.get("s") == "stderr" and "monarch:" in it["t"]]
         assert [it["r"] for it in live] == [1], live  # shown in the lagging rank's area, while it ran
         said = live[0]["t"]
@@ -124,7 +124,6 @@ def test_the_notebook_says_which_ranks_wait_in_which_collective_and_who_lags(mon
         assert "ranks 0, 2-3 wait in all_reduce at Cell In[2], line 5" in said, said
         assert "rank 1 (gpu=1) is at Cell In[2], line 4, in no collective" in said, said
         assert "rank 1 lags: the others wait for it" in said, said
-        assert took < 30
         # a loop that is merely busy past the threshold, its ranks meeting in all_reduce 50 times a second: no report
         busy = "%%mesh\nfor _ in range(250):\n    time.sleep(0.02)\n    dist.all_reduce(t)"
         r = k.run(busy, timeout=60)
@@ -194,10 +193,10 @@ def test_mismatched_collectives_are_named_by_torch_with_torch_distributed_debug(
     mesh = this_host().spawn_procs({"gpu": 3})
     pids = worker_pids(mesh)
     try:
-        t0 = time.monotonic()
+        # At once, not after the mismatched collectives wait out the groups' timeout (600 s): the wait has a
+        # deadline far below it (a call still waiting then raises TimeoutError, and fails).
         with pytest.raises(monarch.RemoteError) as e:
-            rank_1_broadcasts.on(mesh)()
-        assert time.monotonic() - t0 < 30
+            rank_1_broadcasts.on(mesh).call_async().result(timeout=30)
         text = str(e.value)
         assert "failed on 3 of 3 ranks" in text and "Detected mismatch between collectives" in text
         assert "-- ranks 0, 2:" in text and "-- rank 1 (gpu=1):" in text

@@ -7,10 +7,13 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from jupyter_client.manager import start_new_kernel
+
+from conftest import wait_for
 
 
 @dataclass
@@ -58,6 +61,18 @@ class Kernel:
     @property
     def pid(self) -> int:
         return self.km.provisioner.process.pid
+
+    def interrupt_when(self, check: Callable[[], bool], what: str, timeout: float = 30) -> threading.Thread:
+        """Press Interrupt, from another thread, once `check()` is true (the state the test interrupts, such as
+        every rank's start marker written: see conftest.started), not after a fixed delay."""
+
+        def press() -> None:
+            wait_for(check, timeout, what)
+            self.km.interrupt_kernel()
+
+        thread = threading.Thread(target=press, name="interrupt-when", daemon=True)
+        thread.start()
+        return thread
 
     def run(self, code: str, timeout: float = 60, **kw) -> Result:
         msgs: list[dict] = []
