@@ -180,10 +180,8 @@ def _snapshot() -> dict:
 
 
 def _check_no_profile() -> None:
-    running = (
-        sys.modules.get(m) for m in ("monarch.runtime.worker.engine.profiler", "monarch.runtime.worker.profiling")
-    )
-    if any(getattr(m, "_prof", None) is not None for m in running):
+    profiler = sys.modules.get("monarch.runtime.worker.engine.profiler")
+    if getattr(profiler, "_prof", None) is not None:
         raise UsageError(
             "a monarch.profiler profile is running on this worker; memory recording on CPU uses torch's "
             "profiler, which runs one profile at a time: record memory outside the profile"
@@ -213,6 +211,7 @@ class _CpuRecorder:
             self.trace = deque(self.trace, maxlen=max_entries)
 
     def start(self) -> None:
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # kineto's start/stop notes on every rank's stderr
         self.prof = torch.autograd.profiler.profile(
             use_cpu=True, profile_memory=True, with_stack=True, use_kineto=True
         )  # (torch.profiler.profile would import torch._inductor, seconds on a fresh worker)
