@@ -199,3 +199,78 @@ def test_worker_output_renders_as_jupyter_renders_it(lab):
         assert _red(red.evaluate("e => getComputedStyle(e).color"))
         _assert_dark_error_background(area.locator(".monarch-stderr").first.evaluate(SEEN))
         expect(outputs.first).to_contain_text("monarch: 2 workers {gpu: 2} ready in")
+
+
+TIMELINE_CELLS = [
+    r"""import monarch, torch
+sim = monarch.Simulator(hosts=2, gpus=2)
+with sim.mesh.activate():
+    x = torch.randn(256, 256)
+    for _ in range(3):
+        x = (x @ x).tanh()
+        x = x.reduce("gpu", "avg")
+sim.display()""",
+    r"""import time, torch.distributed as dist
+from monarch.actor import this_host
+from monarch.profiler import Schedule, profile
+mesh = this_host().spawn_procs({"gpu": 2})
+@monarch.remote
+def step():
+    a = torch.randn(128, 128)
+    until = time.perf_counter() + (0.05 if monarch.current_rank()["gpu"] == 1 else 0.005)
+    while time.perf_counter() < until:
+        a = (a @ a) / 128
+    dist.all_reduce(a)
+with profile(mesh=mesh, on_trace_ready=OUT, schedule=Schedule(wait=0, warmup=1, active=2)) as prof:
+    for _ in range(3):
+        step.on(mesh)()
+        prof.step()""",
+]
+
+_BOXES = """svg => {
+  const area = svg.closest('.jp-OutputArea-output').getBoundingClientRect();
+  const box = svg.getBoundingClientRect();
+  const texts = [...svg.querySelectorAll('text')].map(t => {
+    const b = t.getBoundingClientRect();
+    return {text: t.textContent, left: b.left, right: b.right, top: b.top, bottom: b.bottom};
+  });
+  const rects = [...svg.querySelectorAll('rect')].filter(r => r.closest('title') === null && r.getAttribute('y') !== '2')
+    .map(r => r.getBoundingClientRect().left);
+  return {area: {left: area.left, right: area.right}, svg: {left: box.left, right: box.right},
+          texts, firstBar: Math.min(...rects)};
+}"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("width", [1000, 1900])
+def test_timelines_fit_the_output_area_whatever_its_width(lab, tmp_path, width):
+    """The profiler's and the simulator's timelines scale to the output area: the whole picture and every label
+    stay inside it (narrower than the picture: scaled down, not cut), and rank labels end before the bars."""
+    with browser_page(f"timelines_{width}") as page:
+        page.set_viewport_size({"width": width + 400, "height": 1000})
+        open_notebook(page, lab)
+        cells = [TIMELINE_CELLS[0], f"OUT = {str(tmp_path)!r}\n" + TIMELINE_CELLS[1], "mesh.exit()"]
+        for i, source in enumerate(cells):
+            cell, shown = run_cell(page, i, source)
+            if i == 2:
+                break
+            svg = cell.locator("svg.monarch-timeline")
+            expect(svg, shown).to_have_count(1, timeout=WAIT_MS)
+            if i == 0:  # make the output area `width` wide (the rest of the window is JupyterLab's)
+                area = svg.evaluate("s => s.closest('.jp-OutputArea-output').getBoundingClientRect().width")
+                page.set_viewport_size({"width": int(width + 400 + width - area), "height": 1000})
+                page.wait_for_function(
+                    f"() => Math.abs(document.querySelector('svg.monarch-timeline').closest('.jp-OutputArea-output')"
+                    f".getBoundingClientRect().width - {width}) < 20",
+                    timeout=WAIT_MS,
+                )
+            got = svg.evaluate(_BOXES)
+            area, box = got["area"], got["svg"]
+            assert abs(area["right"] - area["left"] - width) < 20, (width, area)
+            assert area["left"] - 1 <= box["left"] and box["right"] <= area["right"] + 1, (width, got, shown)
+            outside = [t for t in got["texts"] if t["left"] < area["left"] - 1 or t["right"] > area["right"] + 1]
+            assert outside == [], (width, outside)
+            ranks = [t for t in got["texts"] if t["text"].startswith("rank ")]
+            assert ranks and all(t["right"] <= got["firstBar"] for t in ranks), (width, ranks, got["firstBar"])
+            ends = [t for t in got["texts"] if t["text"].endswith(" ms")]
+            assert len(ends) == 2, got["texts"]  # "0 ms" and the end time: both shown

@@ -14,6 +14,8 @@ from monarch.widgets.style import esc, page, table
 WIDTH = 960
 """Pixels of the time axis."""
 ROW = 14
+CHAR_W = 6.7
+"""Pixels per character of the 11 px monospace labels (the label column is as wide as the longest label)."""
 MAX_BOXES = 2500
 """Boxes drawn at most; the shortest are left out beyond it (the trace file keeps everything)."""
 _COLOURS = {
@@ -101,7 +103,7 @@ def timeline_svg(merged: dict) -> str:
     scale = WIDTH / span
     rows = {key: _coalesce(evs, 1.0 / scale) for key, evs in rows.items()}
     keep = _biggest([(d, key, i) for key, evs in rows.items() for i, (_, d, *_r) in enumerate(evs)])
-    label_w = 130
+    label_w = int(max(len(str(names.get(pid, pid))) for pid, _ in rows) * CHAR_W) + 12
     parts, y = [], 18
     last_pid = None
     rank_rows: dict[int, list[int]] = {}
@@ -145,8 +147,12 @@ def timeline_svg(merged: dict) -> str:
         ".monarch-tl-step{stroke:var(--jp-content-font-color3,#999);stroke-dasharray:3 3}"
         ".monarch-profile-summary tr.monarch-slowest td{color:var(--jp-error-color1,#c00);font-weight:600}.monarch-profile-why{font:12px var(--jp-code-font-family,monospace);padding:2px 0}</style>"
     )
+    # Drawn in its own coordinates (viewBox) and scaled to the output's width, never wider than drawn: an
+    # output area narrower than the picture shrinks it instead of cutting off its right part.
+    w, h = label_w + WIDTH + 10, y + 4
     return (
-        f"{style}<svg class='monarch-timeline' width='{label_w + WIDTH + 10}' height='{y + 4}' "
+        f"{style}<svg class='monarch-timeline' viewBox='0 0 {w} {h}' width='100%' "
+        f"style='max-width:{w}px;height:auto;display:block' preserveAspectRatio='xMinYMin meet' "
         f"xmlns='http://www.w3.org/2000/svg'>{axis}{legend}{''.join(parts)}</svg>"
     )
 
