@@ -136,6 +136,22 @@ class CellRun:
         self.output = output
         self.mesh = mesh
         self._blocking = blocking
+        self._started = time.monotonic()
+        if not blocking:  # nothing waits for it: its own areas say when (and how) it ended
+            future.add_done_callback(lambda _: threading.Thread(target=self._say_ended, daemon=True).start())
+
+    def _say_ended(self) -> None:
+        """A line in each rank's area once a --noblock run has ended: its time, or why it failed."""
+        took = time.monotonic() - self._started
+        try:
+            self.future.result()
+        except BaseException as e:
+            first = str(e).split("\n", 1)[0]
+            stream, text = "stderr", f"[this run failed after {took:.1f} s: {type(e).__name__}: {first}]\n"
+        else:
+            stream, text = "stdout", f"[this run ended after {took:.1f} s]\n"
+        for rank, label in self.future.points:
+            self.output(OutputEvent(None, self.future.mesh_id, rank, label, stream, text))
 
     def done(self) -> bool:
         return self.future.done()

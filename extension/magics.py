@@ -45,7 +45,8 @@ class MeshMagics(Magics):
         self.implicit = None
         """The mesh `%%mesh DIM=SIZE` cells run on (started on first use)."""
         self.current = None
-        """The view the last `%%mesh` cell ran on; `%mesh` commands act on it."""
+        """The mesh the last `%%mesh` cell ran on (the whole mesh, with `--on`); `%mesh` commands act on it."""
+        self._unsliced = None
         self.widgets = in_kernel(shell)
         self.stdin: NotebookStdin | None = None
 
@@ -73,7 +74,7 @@ class MeshMagics(Magics):
             return self._line(line)
         opts = _parse_cell_args(line)
         view = self._target(opts)
-        self.current = view
+        self.current = view if not opts["on"] else self._unsliced  # (`%mesh` shows the whole mesh, not the slice)
         _refuse_if_busy(view)
         blocking = not opts["noblock"]
         if opts["group"] == "rank" and self.widgets:
@@ -142,11 +143,37 @@ class MeshMagics(Magics):
             view = self.implicit
         else:
             raise UsageError("%%mesh needs a shape (e.g. %%mesh gpu=4) or a mesh variable\n" + _USAGE)
+        self._unsliced = view
         if opts["on"]:
             try:
                 view = view.slice(**opts["on"])
             except (ValueError, TypeError) as e:
                 raise UsageError(f"%%mesh --on: {e}") from None
+        return view
+
+    def existing_target(self, line: str) -> Any:
+        """The view a ``%%mesh`` cell with this first line would run on, if its mesh runs already; else None
+        (for completion: never starts a mesh, never runs code but a variable's lookup)."""
+        try:
+            opts = _parse_cell_args(line)
+        except UsageError:
+            return None
+        from monarch.runtime.mesh import ProcMesh
+
+        if opts["name"]:
+            view = self.shell.user_ns.get(opts["name"]) if opts["name"].isidentifier() else None
+        elif opts["sizes"]:
+            implicit = self.implicit
+            view = implicit if implicit is not None and implicit.sizes == opts["sizes"] else None
+        else:
+            view = self.implicit
+        if not isinstance(view, ProcMesh) or view.state != "running":
+            return None
+        if opts["on"]:
+            try:
+                view = view.slice(**opts["on"])
+            except (ValueError, TypeError):
+                return None
         return view
 
     def _implicit(self, sizes: dict[str, int], replace: bool) -> Any:
@@ -393,6 +420,11 @@ def notebook_mesh(shell: Any) -> Any:
         if view is not None and view.state == "running":
             return view
     return None
+
+
+def magics_of(ip) -> MeshMagics | None:
+    """The `%%mesh` magics registered with `ip` (None before the extension is loaded)."""
+    return _loaded.get(id(ip))
 
 
 def load(ip) -> None:

@@ -32,6 +32,18 @@ class MonarchKernel(IPythonKernel):
             # machine the per-cell SQLite write competes with the workers for the cores.
             history.db_cache_size = HISTORY_BATCH
 
+    def do_complete(self, code: str, cursor_pos: int):
+        """Inside a ``%%mesh`` cell, names from the workers' namespace; elsewhere IPython's completion."""
+        from monarch.extension.complete import complete
+        from monarch.extension.magics import magics_of
+
+        magics = magics_of(self.shell)
+        try:
+            reply = complete(magics, code, cursor_pos) if magics is not None else None
+        except Exception:  # completion must never break the kernel: fall back to IPython's
+            reply = None
+        return reply if reply is not None else super().do_complete(code, cursor_pos)
+
     async def do_shutdown(self, restart: bool):
         from monarch.runtime.controller import current
 

@@ -35,6 +35,7 @@ __all__ = [
     "RemoteError",
     "WorkerDiedError",
     "MeshBusyError",
+    "MeshStoppedError",
     "ValueMesh",
     "Future",
     "ProcMesh",
@@ -57,6 +58,7 @@ _EXPORTS = {
     "RemoteError": "monarch.runtime.common.errors",
     "WorkerDiedError": "monarch.runtime.common.errors",
     "MeshBusyError": "monarch.runtime.common.errors",
+    "MeshStoppedError": "monarch.runtime.common.errors",
     "ProcMesh": "monarch.runtime.mesh",
     "current_rank": "monarch.runtime.common.context",
     "current_size": "monarch.runtime.common.context",
@@ -72,7 +74,7 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from monarch.runtime.common.context import current_rank, current_size
-    from monarch.runtime.common.errors import MeshBusyError, RemoteError, WorkerDiedError
+    from monarch.runtime.common.errors import MeshBusyError, MeshStoppedError, RemoteError, WorkerDiedError
     from monarch.runtime.mesh import ProcMesh
     from monarch.runtime.remote import remote
     from monarch.runtime.values import Future, ValueMesh

@@ -29,6 +29,17 @@ def run_cell(
     return fn.start((source, filename), {}, no_stdin=no_stdin, output=output, name="%%mesh cell")
 
 
+def complete(view: ProcMesh, text: str, timeout: float) -> list[str]:
+    """Completions of `text` in the namespace of `view`'s first worker (Tab in a ``%%mesh`` cell); empty if
+    it does not answer within `timeout` seconds."""
+    first = view.slice(**dict.fromkeys(view.names, 0))
+    future = RemoteFunction.by_name(_WORKER, "complete", first).call_async(text)
+    try:
+        return list(future.result(timeout).values()[0])
+    except TimeoutError:
+        return []
+
+
 def pull(view: ProcMesh, name: str) -> ValueMesh:
     """The value of `name` in each worker's namespace."""
     return RemoteFunction.by_name(_WORKER, "pull", view)(name)

@@ -298,9 +298,9 @@ class ProcMesh:
                                     where, waits))  # fmt: skip
         return out
 
-    def to_table(self, ask: float = 0.0) -> MeshTable:
-        """A table of this view's workers: coordinates, rank, host, pid, device, status, memory, what each
-        busy one runs and for how long (`ask`: see `busy`)."""
+    def to_table(self, ask: float = 0.0, with_memory: bool = True) -> MeshTable:
+        """A table of this view's workers: coordinates, rank, host, pid, device, status, memory (unless
+        `with_memory` is False), what each busy one runs and for how long (`ask`: see `busy`)."""
         sp = self._spawned
         status = self.status()
         doing = {r: (b, f"{b.seconds:.0f} s") for b in self.busy(ask) for r in b.ranks}
@@ -316,7 +316,9 @@ class ProcMesh:
                     "pid": info.get("pid", "?"),
                     "device": info.get("device", "?"),
                     "status": st,
-                    "memory": _rss(info.get("pid")) if st in ("idle", "busy") and info.get("host") == _HOST else "",
+                    "memory": _rss(info.get("pid"))
+                    if with_memory and st in ("idle", "busy") and info.get("host") == _HOST
+                    else "",
                     "running": b.doing(rank) if b is not None else "",
                     "for": since,
                 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 from monarch.runtime.common.errors import Release, RemoteError, RemoteInterrupt, group_failures
@@ -77,6 +77,21 @@ class Future(Generic[T]):
 
     def done(self) -> bool:
         return self._pending.future.done()
+
+    def add_done_callback(self, fn: Callable[[Future[T]], None]) -> None:
+        """Call `fn(self)` once the call has ended (every rank answered, or it failed as a whole), on the
+        thread that saw it end, or at once if it has. `fn` must be quick and must not wait for anything."""
+        self._pending.future.add_done_callback(lambda _: fn(self))
+
+    @property
+    def points(self) -> list[tuple[int, str]]:
+        """``(rank in the spawned mesh, label)`` of each point the call runs on, in rank order."""
+        labels = self._pending.mesh.labels
+        return [(r, labels[r]) for r in self._shape.ranks]
+
+    @property
+    def mesh_id(self) -> int:
+        return self._pending.mesh.mesh_id
 
     def result(self, timeout: float | None = None) -> ValueMesh[T]:
         """Wait for every worker; raise `RemoteError` if any failed. Ctrl-C interrupts the workers."""

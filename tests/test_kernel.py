@@ -12,7 +12,7 @@ import tempfile
 
 import pytest
 
-from conftest import started, wait_gone
+from conftest import started, wait_for, wait_gone
 from helpers.kernel_client import Kernel, monarch_kernel
 
 pytestmark = pytest.mark.timeout(120)
@@ -108,6 +108,10 @@ def test_mesh_line_status_pull_push(kernel: Kernel):
     assert kernel.value("list(z2)") == [f"pushed{g}" for g in range(4)]
     bad = kernel.run("%mesh pull nope")
     assert bad.status == "error" and "'nope' is not defined in this worker's namespace" in bad.text()
+    # after a cell on a slice, `%mesh` still shows the whole mesh
+    assert kernel.run("%%mesh --on gpu=0:2\nrank").status == "ok"
+    rows = kernel.run("%mesh").of("execute_result")[0]["content"]["data"]["text/plain"]
+    assert rows.count(" idle ") == 4, rows
 
 
 @pytest.mark.parametrize(
@@ -128,6 +132,21 @@ def test_bad_arguments(kernel: Kernel, line: str, message: str):
     r = kernel.run(f"{line}\nprint(1)")
     assert r.status == "error"
     assert message in r.text()
+
+
+def test_completion_in_a_mesh_cell_offers_the_workers_names(kernel: Kernel):
+    assert kernel.run("%%mesh\nworker_only_name = rank").status == "ok"
+    got = kernel.complete("%%mesh\nx = worker_o")
+    assert got["status"] == "ok" and got["matches"] == ["worker_only_name"], got
+    assert (got["cursor_start"], got["cursor_end"]) == (len("%%mesh\nx = "), len("%%mesh\nx = worker_o"))
+    assert "mesh_size" in kernel.complete("%%mesh\nmesh_si")["matches"]  # set on the workers before each cell
+    assert "bit_length" in kernel.complete("%%mesh\nworker_only_name.bit_l")["matches"][0]  # attributes too
+    # outside a %%mesh cell (and on its first line) the kernel's own names, as IPython completes them
+    assert "worker_only_name" not in kernel.complete("worker_o")["matches"]
+    assert "worker_only_name" not in kernel.complete("%%mesh worker_o\n", len("%%mesh worker_o"))["matches"]
+    # a mesh that does not run yet is not started by a completion
+    assert "worker_only_name" not in kernel.complete("%%mesh gpu=3\nworker_o")["matches"]
+    assert kernel.value("len(get_ipython().run_line_magic('mesh', 'status').rows)") == 4
 
 
 def test_interrupt_stops_busy_workers_and_they_survive(kernel: Kernel, tmp_path):
@@ -292,3 +311,38 @@ def test_a_failed_tensor_op_names_its_notebook_cell(kernel: Kernel):
     cell = re.search(r"Cell In\[(\d+)\], line 4", r.text())
     assert cell, r.text()
     assert "ipykernel_" not in r.text().split("the failing op was issued at", 1)[1].split("\n", 1)[0]
+
+
+def test_a_restart_during_a_noblock_run_says_the_mesh_was_stopped_not_that_a_worker_crashed(tmp_path):
+    """`%mesh restart` while a --noblock run waits in a collective: its `result()` says the mesh was stopped
+    (what the user did), not gloo's "Connection closed by peer ... a remote worker crashing"."""
+    marker = tmp_path / "started"
+    with monarch_kernel() as k:
+        code = (
+            "%%mesh gpu=2 --noblock --save job\nimport time, torch, torch.distributed as dist\n"
+            f"open({str(marker)!r} + '.' + str(rank), 'w').close()\n"
+            "if rank == 0:\n    time.sleep(600)\ndist.all_reduce(torch.ones(1))"
+        )
+        assert k.run(code).status == "ok"
+        wait_for(lambda: started(str(marker), 2), 60, "both ranks starting")
+        first = k.worker_pids()
+        restart = k.run("%mesh restart")
+        assert restart.status == "ok", restart.text()
+        r = k.run("job.result()")
+        assert r.status == "error"
+        (err,) = r.of("error")
+        assert err["content"]["ename"] == "MeshStoppedError", r.text()
+        text = "\n".join(err["content"]["traceback"])
+        assert (
+            "mesh {gpu: 2} was stopped (mesh.exit(), %mesh restart or %mesh shutdown) while this call "
+            "%%mesh cell still ran on ranks 0-1" in text
+        ), text
+        assert "Connection closed" not in r.text() and "crash" not in r.text()
+        # the --noblock cell's own areas say how its run ended (its live view, updated after the cell returned)
+        ended = [it for res in (restart, r) for it in res.custom_items() if "[this run failed" in it.get("t", "")]
+        assert sorted(it["r"] for it in ended) == [0, 1], [restart.custom_items(), r.custom_items()]
+        assert all("MeshStoppedError: mesh {gpu: 2} was stopped" in it["t"] for it in ended), ended
+        r = k.run("%%mesh\nrank")  # the restarted mesh works
+        assert r.status == "ok", r.text()
+        k.km.shutdown_kernel(now=False)
+        assert wait_gone(first, 10) == []

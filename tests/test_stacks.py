@@ -60,7 +60,10 @@ def test_stacks_show_ranks_stuck_in_all_reduce_grouped_and_the_one_asleep():
     finally:
         mesh.exit()
     assert wait_gone(pids) == []
-    with pytest.raises(RuntimeError, match="was stopped during the call"):
+    with pytest.raises(
+        monarch.MeshStoppedError,
+        match=r"was stopped \(mesh.exit\(\), %mesh restart or %mesh shutdown\) while this call",
+    ):
         fut.result(timeout=10)
 
 

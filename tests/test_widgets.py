@@ -56,6 +56,57 @@ def test_a_mesh_table_keeps_its_last_state_when_the_mesh_is_stopped():
     assert [r["status"] for r in later.rows] == ["stopped", "stopped"]
 
 
+@pytest.mark.timeout(60)
+def test_a_mesh_table_follows_each_rank_of_a_call_and_keeps_counting(tmp_path):
+    """A rank that finished its part shows idle while another still runs the call (the table is told of each
+    rank's reply, not only of the call's end), and a busy rank's "for" column keeps counting."""
+    from monarch.actor import this_host
+
+    release = tmp_path / "release"
+
+    @monarch.remote
+    def uneven(path):
+        import os
+
+        if monarch.current_rank()["gpu"] == 1:
+            while not os.path.exists(path):
+                time.sleep(0.02)
+        else:
+            time.sleep(0.5)  # well after the table's first refresh
+
+    mesh = this_host().spawn_procs({"gpu": 2})
+    try:
+        table = MeshTableWidget(mesh)
+        fut = uneven.on(mesh).call_async(str(release))
+        assert _wait_for(lambda: [r["status"] for r in table.rows] == ["idle", "busy"], 10), table.rows
+        assert _wait_for(lambda: table.rows[1]["for"] not in ("", "0 s"), 10), table.rows  # it counts
+        release.touch()
+        fut.result()
+        assert _wait_for(lambda: [r["status"] for r in table.rows] == ["idle", "idle"]), table.rows
+    finally:
+        mesh.exit()
+
+
+@pytest.mark.timeout(60)
+def test_a_mesh_stopped_right_after_a_call_keeps_the_state_it_had_not_an_older_one():
+    """A notebook run top to bottom: a call ends and the next cell stops the mesh within the table's refresh
+    delay; the table must show the ranks idle, not busy as at its last refresh during the call."""
+    from monarch.actor import this_host
+
+    @monarch.remote
+    def work():
+        time.sleep(0.4)
+
+    mesh = this_host().spawn_procs({"gpu": 2})
+    table = MeshTableWidget(mesh)
+    fut = work.on(mesh).call_async()
+    assert _wait_for(lambda: [r["status"] for r in table.rows] == ["busy", "busy"]), table.rows
+    fut.result()
+    mesh.exit()
+    assert _wait_for(lambda: "stopped at" in table.title), table.title
+    assert [(r["status"], r["running"]) for r in table.rows] == [("idle", "")] * 2, table.rows
+
+
 def test_value_mesh_and_tensor_views(mesh8):
     @monarch.remote
     def value():

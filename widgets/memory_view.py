@@ -27,6 +27,8 @@ CSS = """
 .monarch-memory-chart text{fill:var(--jp-ui-font-color2,#666);font-size:9px;font-family:var(--jp-code-font-family,monospace)}
 .monarch-memory-empty{color:var(--jp-ui-font-color2,#666);font-style:italic;padding:4px 0}
 .monarch-memory .monarch-table td.monarch-memory-size{text-align:right;white-space:nowrap}
+.monarch-memory .monarch-table td.monarch-memory-where{white-space:nowrap}
+.monarch-memory-rank{overflow-x:auto}
 """.strip()
 
 
@@ -58,7 +60,7 @@ def rank_html(r: RankMemory) -> str:
     )
     if r.largest:
         rows = "".join(
-            f'<tr><td class="monarch-memory-size">{esc(format_bytes(a.size))}</td><td>{esc(a.where)}</td></tr>'
+            f'<tr><td class="monarch-memory-size">{esc(format_bytes(a.size))}</td><td class="monarch-memory-where">{esc(a.where)}</td></tr>'
             for a in r.largest
         )
         largest = (

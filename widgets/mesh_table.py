@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -70,6 +71,8 @@ class MeshTableWidget(StaticFallbackWidget):
         self._mesh = mesh
         self._pending = False
         self._lock = threading.Lock()
+        self._last = _doing(table.rows)
+        """What each rank was doing at the last change while the mesh ran (shown once it has stopped)."""
         ref = weakref.ref(self)
         stop = None
 
@@ -78,33 +81,54 @@ class MeshTableWidget(StaticFallbackWidget):
             if w is None:
                 stop()
             else:
-                w.schedule_refresh()
+                w.note_change()
 
         stop = mesh.on_change(changed)
         self._stop_following = stop
 
-    def schedule_refresh(self) -> None:
+    def note_change(self) -> None:
+        """A rank became busy or idle, or the mesh changed state (any thread): remember what each rank does
+        now (a stop that follows within the refresh's delay must not leave an older state on show)."""
+        if self._mesh.state == "running":
+            with contextlib.suppress(Exception):
+                self._last = _doing(self._mesh.to_table(with_memory=False).rows)
+        self.schedule_refresh()
+
+    def schedule_refresh(self, delay: float = 0.1) -> None:
         """Coalesce bursts of changes into at most ~10 updates a second."""
         with self._lock:
             if self._pending:
                 return
             self._pending = True
-        threading.Timer(0.1, self.refresh).start()
+        timer = threading.Timer(delay, self.refresh)
+        timer.daemon = True
+        timer.start()
 
     def refresh(self) -> None:
         with self._lock:
             self._pending = False
         if self._mesh.state in ("stopping", "stopped") and any(r["status"] != "stopped" for r in self.rows):
             self._stop_following()
+            self.rows = [{**r, **self._last.get(r["rank"], {})} for r in self.rows]
             self.title += f" (stopped at {time.strftime('%H:%M:%S')}; the rows show its last state)"
             return
         self.rows = _plain(self._mesh.to_table().rows)
+        if any(r["status"] == "busy" for r in self.rows):
+            self.schedule_refresh(BUSY_TICK)  # the "for" column keeps counting while a rank is busy
 
     def static_html(self) -> str:
         return table_html(self.title, self.columns, self.rows)
 
     def static_text(self) -> str:
         return self.title + "\n" + text_table(self.columns, [[str(r[c]) for c in self.columns] for r in self.rows])
+
+
+BUSY_TICK = 1.0
+"""Seconds between refreshes while a rank is busy (its "for" column counts)."""
+
+
+def _doing(rows: list[dict]) -> dict[int, dict]:
+    return {r["rank"]: {"status": r["status"], "running": r["running"], "for": r["for"]} for r in rows}
 
 
 def _plain(rows: list[dict]) -> list[dict]:

@@ -147,6 +147,15 @@ class MeshBusyError(RuntimeError):
         return _render(type(self).__name__, str(self))
 
 
+class MeshStoppedError(RuntimeError):
+    """A call was still running when its mesh was stopped on purpose (`mesh.exit()`, ``%mesh restart``,
+    ``%mesh shutdown``): nothing crashed. Raised instead of what the stop made the ranks say (a collective's
+    peer gone: "Connection closed by peer")."""
+
+    def _render_traceback_(self) -> list[str]:
+        return _render(type(self).__name__, str(self))
+
+
 def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 from monarch.runtime import backends
 from monarch.runtime.common import log
 from monarch.runtime.common.config import Settings, settings
-from monarch.runtime.common.errors import WorkerDiedError
+from monarch.runtime.common.errors import MeshStoppedError, WorkerDiedError
 from monarch.runtime.common.shape import Shape, format_ranks
 from monarch.runtime.controller.debugger import DebugServer
 from monarch.runtime.controller.output import LineLabeller, OutputEvent
@@ -367,7 +367,7 @@ class Controller:
         span = HANG_EVERY * (HANG_SAMPLES - 1)
         lines = [f"monarch: {pending.name or 'this call'} has run {seconds:.0f} s; for the last {span:.0f} s:"]
         for (collective, at), ranks in places.items():
-            lines.append(f"  {_ranks(ranks)} wait in {collective} at {at}")
+            lines.append(f"  {_ranks(ranks)} {'waits' if len(ranks) == 1 else 'wait'} in {collective} at {at}")
         elsewhere = [r for r in said if r not in waiting]
         done = [r for r in pending.ranks if r in pending.replies]
         for r in elsewhere:
@@ -378,12 +378,16 @@ class Controller:
                 f"  {_ranks(elsewhere)} lag{'s' if one else ''}: the others wait for {'it' if one else 'them'}"
             )
         elif done:
-            lines.append(f"  {_ranks(done)} already finished this call: a collective they skipped waits for them")
+            they = "it" if len(done) == 1 else "they"
+            lines.append(
+                f"  {_ranks(done)} already finished this call: a collective {they} skipped waits for "
+                f"{'it' if len(done) == 1 else 'them'}"
+            )
         elif len(places) > 1:
             lines.append("  the ranks wait in different collectives or places: mismatched collectives")
         mute = [r for r in busy if r not in said]
         if mute:
-            lines.append(f"  {_ranks(mute)} did not say where they are")
+            lines.append(f"  {_ranks(mute)} did not say where {'it is' if len(mute) == 1 else 'they are'}")
         lines.append("  (Interrupt the kernel or press Ctrl-C to stop it; mesh.stacks() shows every stack.)")
         self.receiver.notice(pending, (elsewhere or sorted(waiting))[0], "\n".join(lines) + "\n")
 
@@ -432,10 +436,12 @@ class Controller:
             return
         was_running = mesh.state == "running"
         mesh.state = "stopping"
-        mesh.exit_codes = mesh.backend.stop(mesh.mesh_id, graceful=was_running)
+        # Its calls end first, as stopped: what the ranks say as the mesh goes (a collective whose peers exit
+        # raises "Connection closed by peer") is not what happened, and arrives for no one.
         for pending in list(self.calls.values()):
             if pending.mesh is mesh:
-                self._fail(pending, RuntimeError(f"mesh {mesh.shape.describe()} was stopped during the call"))
+                self._fail(pending, _stopped_during(pending))
+        mesh.exit_codes = mesh.backend.stop(mesh.mesh_id, graceful=was_running)
         mesh.state = "stopped"
         self._mark_gone(mesh)
         self.meshes.pop(mesh.mesh_id, None)
@@ -476,6 +482,20 @@ class Controller:
     def closed(self) -> bool:
         """Shut down: a new controller is made on next use."""
         return self._closed
+
+
+def _stopped_during(pending: PendingCall) -> MeshStoppedError:
+    mesh = pending.mesh
+    running = [r for r in pending.ranks if r not in pending.replies]
+    failed = [r for r, env in pending.replies.items() if not env.message.ok and r not in pending.released]
+    what = f"{pending.name} " if pending.name else ""
+    text = (
+        f"mesh {mesh.shape.describe()} was stopped (mesh.exit(), %mesh restart or %mesh shutdown) while this "
+        f"call {what}still ran on {_ranks(running)}"
+    )
+    if failed:
+        text += f"; {_ranks(sorted(failed))} had failed before (their tracebacks were shown as they came)"
+    return MeshStoppedError(text)
 
 
 def _ranks(ranks: list[int]) -> str:

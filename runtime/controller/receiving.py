@@ -227,9 +227,12 @@ class Receiver:
                 pending.future.set_result(pending.replies)
             if c.listeners:
                 c.changed(pending.mesh)
-        elif not msg.ok and env.rank not in pending.released:
-            self._keep_early_error(pending, env)
-            c.failed_while_others_run(pending)
+        else:
+            if not msg.ok and env.rank not in pending.released:
+                self._keep_early_error(pending, env)
+                c.failed_while_others_run(pending)
+            if c.listeners:  # this rank is idle again while others still run the call
+                c.changed(pending.mesh)
 
     def _keep_early_error(self, pending: PendingCall, env: codec.Envelope) -> None:
         """A rank failed while others still run: if they go on (waiting for it in a collective, say), its

@@ -84,6 +84,24 @@ def push(values: dict[str, Any]) -> None:
     namespace().update(values)
 
 
+def complete(text: str, limit: int = 200) -> list[str]:
+    """Completions of `text` (a name, or a dotted name's attribute) in this worker's namespace, builtins and
+    keywords included (for Tab in a ``%%mesh`` cell)."""
+    import rlcompleter
+
+    completer = rlcompleter.Completer(namespace())
+    out: list[str] = []
+    for state in range(limit):
+        try:
+            match = completer.complete(text, state)
+        except Exception:  # (an attribute that raises while listed)
+            break
+        if match is None:
+            break
+        out.append(match.rstrip("("))
+    return sorted(set(out))
+
+
 def reset() -> None:
     """Forget every name defined by cells."""
     global _namespace

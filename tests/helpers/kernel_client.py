@@ -79,6 +79,14 @@ class Kernel:
         reply = self.kc.execute_interactive(code, output_hook=msgs.append, timeout=timeout, **kw)
         return Result(reply["content"]["status"], msgs, reply["content"])
 
+    def complete(self, code: str, cursor_pos: int | None = None, timeout: float = 30) -> dict:
+        """The kernel's `complete_reply` content for `code` with the cursor at `cursor_pos` (default: the end)."""
+        msg_id = self.kc.complete(code, len(code) if cursor_pos is None else cursor_pos)
+        while True:
+            reply = self.kc.get_shell_msg(timeout=timeout)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply["content"]
+
     def value(self, expr: str):
         """Evaluate `expr` in the kernel (its repr must be a Python literal)."""
         import ast
