@@ -25,7 +25,7 @@ class RankAreas:
     def __init__(self, widget_factory) -> None:
         from monarch.widgets.rank_output import RankLog
 
-        self.log = RankLog()
+        self.log = RankLog(files=True)
         self._factory = widget_factory
         self._widget = None
         self._display_id = uuid.uuid4().hex
@@ -98,6 +98,7 @@ class RankAreas:
             self.finished = True
             widget, self._widget = self._widget, None
             bundle = self.log.bundle() if widget is not None and replace else None
+            self.log.close()
         if bundle is not None:
             from IPython.display import update_display
 
@@ -152,6 +153,7 @@ class CellRun:
             stream, text = "stdout", f"[this run ended after {took:.1f} s]\n"
         for rank, label in self.future.points:
             self.output(OutputEvent(None, self.future.mesh_id, rank, label, stream, text))
+        self.output.finish(replace=False)  # sent now; the live view stays (nothing waits to replace it)
 
     def done(self) -> bool:
         return self.future.done()

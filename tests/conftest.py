@@ -75,6 +75,14 @@ def mesh():
     yield from _spawned({"host": 2, "gpu": 2})
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _output_dir(tmp_path_factory):
+    """Cells' whole outputs (MONARCH_OUTPUT_DIR) go to a folder of the test run, not the user's home; kernels
+    and JupyterLab started by tests inherit it."""
+    os.environ["MONARCH_OUTPUT_DIR"] = str(tmp_path_factory.mktemp("monarch-output"))
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _no_stray_env(monkeypatch):
     monkeypatch.delenv("MONARCH_TRANSPORT", raising=False)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, wait_gone
+from conftest import REPO, wait_for, wait_gone
 from helpers.browser_lab import CHROMIUM, CHROMIUM_ARGS, Lab, cmdline, descendants, require_chromium
 
 sync_api = require_chromium(allow_module_level=True)
@@ -274,3 +274,87 @@ def test_timelines_fit_the_output_area_whatever_its_width(lab, tmp_path, width):
             assert ranks and all(t["right"] <= got["firstBar"] for t in ranks), (width, ranks, got["firstBar"])
             ends = [t for t in got["texts"] if t["text"].endswith(" ms")]
             assert len(ends) == 2, got["texts"]  # "0 ms" and the end time: both shown
+
+
+def _statuses(cell) -> list[str]:
+    return cell.locator("table.monarch-mesh-table tr[data-rank] .monarch-status").all_inner_texts()
+
+
+@pytest.mark.timeout(240)
+def test_the_status_table_tells_what_each_rank_does(lab, tmp_path):
+    """During a --noblock run, a rank that finished shows idle while another still runs (and its time counts);
+    cells queued one after another as Run All queues them, ending with a shutdown, leave the table showing
+    the state the mesh had when it stopped: idle, not busy."""
+    release = tmp_path / "release"
+    with browser_page("status_table") as page:
+        idle = open_notebook(page, lab)
+        noblock = (
+            "%%mesh gpu=2 --noblock --save job\nimport os, time\n"
+            f"while rank == 1 and not os.path.exists({str(release)!r}):\n    time.sleep(0.05)\n"
+            "time.sleep(0.5)"
+        )
+        run_cell(page, 0, noblock)
+        table, shown = run_cell(page, 1, "%mesh")
+        expect(table.locator("table.monarch-mesh-table tr[data-rank]"), shown).to_have_count(2, timeout=WAIT_MS)
+        status = table.locator("table.monarch-mesh-table tr[data-rank] .monarch-status")
+        expect(status, shown).to_have_text(["idle", "busy"], timeout=WAIT_MS)  # rank 0's part ended after 0.5 s
+        row1 = table.locator("table.monarch-mesh-table tr[data-rank='1'] td").last
+        expect(row1).not_to_have_text("0 s", timeout=WAIT_MS)  # the busy rank's time counts
+        release.touch()
+        expect(status, shown).to_have_text(["idle", "idle"], timeout=WAIT_MS)
+        # Run All's way: the next cells queued at once; the last stops the mesh right after a call ends
+        for i, source in enumerate(["%%mesh\nimport time\ntime.sleep(0.3)", "%mesh shutdown"], start=2):
+            run_cell(page, i, source, wait=False)
+        expect(page.locator(".jp-Cell").nth(3).locator(".jp-InputPrompt")).to_have_text("[4]:", timeout=WAIT_MS)
+        idle.wait_for(timeout=WAIT_MS)
+        expect(table.locator("caption"), shown).to_contain_text("stopped at", timeout=WAIT_MS)
+        assert _statuses(table) == ["idle", "idle"], table.inner_text()
+        assert "[this run ended after" in page.locator(".jp-Cell").nth(0).locator(".jp-OutputArea").inner_text()
+
+
+@pytest.mark.timeout(180)
+def test_tab_in_a_mesh_cell_completes_from_the_workers_namespace(lab):
+    with browser_page("completion") as page:
+        open_notebook(page, lab)
+        run_cell(page, 0, "%%mesh gpu=2\nworker_only_name = rank")
+        cell = page.locator(".jp-Notebook .jp-Cell").nth(1)
+        cell.locator(".jp-InputArea-editor").click()
+        page.keyboard.insert_text("%%mesh\nx = worker_o")
+        page.keyboard.press("Tab")
+        offered = page.locator(".jp-Completer-item")
+        expect(offered.first).to_contain_text("worker_only_name", timeout=WAIT_MS)  # the workers' name, offered
+        page.keyboard.press("Enter")
+        expect(cell.locator(".jp-InputArea-editor")).to_contain_text("x = worker_only_name", timeout=WAIT_MS)
+        run_cell(page, 1, "", wait=True)
+        expect(cell.locator(".jp-OutputArea")).not_to_contain_text("Error")
+        run_cell(page, 2, "%mesh shutdown")
+
+
+@pytest.mark.timeout(180)
+def test_a_flood_keeps_the_cell_short_and_the_saved_notebook_small(lab):
+    """5,000 lines from one rank: each rank's area shows its last lines in a box of bounded height (24 lines:
+    the cell stays under 1,000 px), with "show all" live; the saved notebook stays under 100 KB."""
+    flood = (  # (in bursts, over about 3 s: the live view is on show meanwhile)
+        "%%mesh gpu=2\nimport time\nfor i in range(5000 if rank == 0 else 3):\n"
+        "    print(f'line {i:05d} ' + 'x' * 40)\n    if i % 500 == 499:\n        time.sleep(0.3)"
+    )
+    with browser_page("flood") as page:
+        open_notebook(page, lab)
+        cell, _ = run_cell(page, 0, flood, wait=False)
+        live = cell.locator(".monarch-rank[data-label='gpu=0'] .monarch-rank-more")
+        expect(live).to_be_visible(timeout=WAIT_MS)  # "show all", live, once the area overflows
+        expect(cell.locator(".jp-InputPrompt")).to_have_text("[1]:", timeout=WAIT_MS)
+        expect(cell.locator(".monarch-skipped")).to_contain_text("all its text is in", timeout=WAIT_MS)
+        height = cell.evaluate("c => c.getBoundingClientRect().height")
+        assert height < 1000, height
+        area = cell.locator(".monarch-rank[data-label='gpu=0'] .monarch-rank-scroll")
+        assert "line 04999" in area.inner_text()  # the end is what shows
+        page.keyboard.press("Control+s")
+        accept = page.locator(".jp-Dialog .jp-mod-accept")  # JupyterLab asks for a name on a first save
+        with contextlib.suppress(sync_api.TimeoutError):
+            accept.wait_for(timeout=5000)
+            accept.click()
+        saved = lab.tmp / "root" / "Untitled.ipynb"
+        wait_for(lambda: saved.exists() and "line 04999" in saved.read_text(), 30, "the notebook's save")
+        assert saved.stat().st_size < 100_000, saved.stat().st_size
+        run_cell(page, 1, "%mesh shutdown")

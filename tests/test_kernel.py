@@ -346,3 +346,17 @@ def test_a_restart_during_a_noblock_run_says_the_mesh_was_stopped_not_that_a_wor
         assert r.status == "ok", r.text()
         k.km.shutdown_kernel(now=False)
         assert wait_gone(first, 10) == []
+
+
+def test_a_flood_keeps_a_bounded_tail_in_the_notebook_and_all_of_it_in_a_file(kernel: Kernel, tmp_path):
+    assert kernel.run(f"import os\nos.environ['MONARCH_OUTPUT_DIR'] = {str(tmp_path)!r}").status == "ok"
+    r = kernel.run("%%mesh --on gpu=0\nfor i in range(5000):\n    print(f'line {i:05d} ' + 'x' * 40)")
+    assert r.status == "ok", r.text()
+    (final,) = r.final_outputs()
+    assert len(final["text/html"]) < 100_000 and len(final["text/plain"]) < 100_000  # 5,000 lines: 255 KB
+    (path,) = tmp_path.glob("*/gpu=0.txt")
+    lines = path.read_text().splitlines()
+    assert len(lines) == 5000 and lines[0].startswith("line 00000") and lines[-1].startswith("line 04999")
+    assert f"; all its text is in {path} …" in final["text/plain"], final["text/plain"][:400]
+    assert "line 04999" in final["text/plain"] and "line 00000" not in final["text/plain"]
+    assert oct(path.parent.stat().st_mode & 0o777) == "0o700"

@@ -6,11 +6,17 @@ replaces the live view: each rank's last lines (`TAIL_CHARS`), with a line sayin
 
 from __future__ import annotations
 
+import contextlib
+import re
+import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
 
 import traitlets
 
+from monarch.runtime.common import config
 from monarch.widgets import render
 from monarch.widgets.base import StaticFallbackWidget
 from monarch.widgets.style import esc, page
@@ -118,12 +124,18 @@ export default {
       if (!a) {
         const div = document.createElement("div"); div.className = "monarch-rank"; div.dataset.label = it.l;
         const h = document.createElement("div"); h.className = "monarch-rank-label"; h.textContent = `[${it.l}]`;
+        const more = document.createElement("button"); more.className = "monarch-rank-more";
+        more.textContent = "show all"; more.hidden = true;
+        const scroll = document.createElement("div"); scroll.className = "monarch-rank-scroll";
+        more.onclick = () => { more.textContent = scroll.classList.toggle("monarch-all") ? "show less" : "show all"; };
+        h.appendChild(more);
         const body = document.createElement("div"); body.className = "monarch-rank-body";
-        div.append(h, body);
+        scroll.appendChild(body);
+        div.append(h, scroll);
         let next = null;
         for (const [r, x] of areas) if (r > it.r && (next === null || r < next[0])) next = [r, x.div];
         root.insertBefore(div, next ? next[1] : null);
-        a = { div, body, last: null };
+        a = { div, body, scroll, more, last: null };
         areas.set(it.r, a);
       }
       return a;
@@ -139,6 +151,9 @@ export default {
         if (!a.last || a.last.stream !== it.s) { a.last = block(it.s); a.body.appendChild(a.last.div); }
         write(a.last, it.t);
       }
+      for (const a of areas.values()) {  // "show all" once an area holds more than it shows
+        if (a.more.hidden && a.scroll.scrollHeight > a.scroll.clientHeight + 1) a.more.hidden = false;
+      }
     };
     add(st.log);
     st.views.add(add);
@@ -148,7 +163,7 @@ export default {
 """
 
 
-TAIL_CHARS = 64 * 1024
+TAIL_CHARS = 32 * 1024
 """Stream text of each rank that the static view keeps: its last lines (the live view showed all of it).
 A flood of output then crosses iopub once, live, plus this bounded tail when the cell ends."""
 TAIL_DISPLAYS = 20
@@ -163,8 +178,9 @@ class Skipped:
     chars: int = 0
     displays: int = 0
 
-    def note(self, tail: tuple[int, int]) -> str:
-        """The line the static view shows in place of what it left out; `tail` as `RankLog.tail`."""
+    def note(self, tail: tuple[int, int], path: str | None = None) -> str:
+        """The line the static view shows in place of what it left out; `tail` as `RankLog.tail`; `path`: the
+        file that holds all of the rank's text."""
         parts, kept = [], []
         if self.chars:
             size = _size(self.chars)
@@ -174,7 +190,10 @@ class Skipped:
         if self.displays:
             parts.append(f"{self.displays:,} display{'s' * (self.displays != 1)}")
             kept.append(f"{tail[1]} display{'s' * (tail[1] != 1)}")
-        return f"… {' and '.join(parts)} not shown: a finished cell keeps each rank's last {' and '.join(kept)} …"
+        where = f"; all its text is in {path}" if path else ""
+        return (
+            f"… {' and '.join(parts)} not shown: a finished cell keeps each rank's last {' and '.join(kept)}{where} …"
+        )
 
 
 def _size(chars: int) -> str:
@@ -188,13 +207,23 @@ class RankLog:
     """What the ranks of one cell wrote, in order per rank: text and rich displays; of a flood, the last
     `TAIL_CHARS` of text and `TAIL_DISPLAYS` displays of each rank, what came before counted, not kept."""
 
-    def __init__(self, tail_chars: int = TAIL_CHARS, tail_displays: int = TAIL_DISPLAYS) -> None:
+    def __init__(self, tail_chars: int = TAIL_CHARS, tail_displays: int = TAIL_DISPLAYS, files: bool = False) -> None:
         self.ranks: dict[int, tuple[str, list[tuple[str, str | dict | Skipped]]]] = {}
         """Rank -> (its label, its chunks in order: ``(stream, text)``, ``("display", mime bundle)`` or
         ``(SKIPPED, Skipped)``)."""
         self.tail = (tail_chars, tail_displays)
         self._kept: dict[int, list[int]] = {}
         """Rank -> [characters of text, displays] in its chunks."""
+        self._written: dict[int, int] = {}
+        """Rank -> characters of text it wrote in all."""
+        self._files: dict[int, IO[str] | None] = {}
+        """Rank -> the open file that gets all its text, once it wrote more than the saved view keeps (None:
+        it could not be made)."""
+        self.paths: dict[int, str] = {}
+        """Rank -> that file's path."""
+        self._folder: Path | None = None
+        self._use_files = files
+        """Whether a rank's text past the tail also goes to a file (`config.output_dir`): a notebook's cells."""
 
     def add(self, rank: int, label: str, stream: str, text: str = "", data: dict | None = None) -> dict:
         """Record one chunk; returns it in the form the live view takes (a display as HTML). An ``"error"``
@@ -210,6 +239,13 @@ class RankLog:
             kept[1] += 1
         else:
             kept[0] += len(text)
+            written = self._written[rank] = self._written.get(rank, 0) + len(text)
+            if rank in self._files:
+                f = self._files[rank]
+                if f is not None:
+                    f.write(text)
+            elif written > self.tail[0] and self._use_files:  # more than the saved view keeps: to a file too
+                self._open(rank, label, chunks)
         if kept[0] > 2 * self.tail[0] or kept[1] > 2 * self.tail[1]:  # now and then, so memory stays bounded
             tail, *self._kept[rank] = _tail(chunks, *self.tail)
             self.ranks[rank] = (label, tail)
@@ -217,39 +253,74 @@ class RankLog:
             return {"r": rank, "l": label, "s": stream, "h": render.bundle_html(chunk, render.MATHML)}
         return {"r": rank, "l": label, "s": stream, "t": text}
 
+    def _open(self, rank: int, label: str, chunks: list[tuple[str, str | dict | Skipped]]) -> None:
+        """Start rank's file with its text so far (all of it is still in `chunks`: they are trimmed only past
+        twice what is kept)."""
+        f = None
+        try:
+            if self._folder is None:
+                name = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+                self._folder = config.output_dir() / name
+                self._folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            path = self._folder / (re.sub(r"[^\w=,.-]", "_", label) + ".txt")
+            f = open(path, "w", encoding="utf-8")  # (kept open: the rank may write more)
+            f.writelines(c for s, c in chunks if s not in ("display", SKIPPED) and isinstance(c, str))
+            f.flush()
+            self.paths[rank] = str(path)
+        except OSError:
+            f = None
+        self._files[rank] = f
+
+    def close(self) -> None:
+        """Close the ranks' files (the cell ended)."""
+        for f in self._files.values():
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.close()
+        self._files = dict.fromkeys(self._files)
+
+    def __del__(self) -> None:
+        self.close()
+
     def __bool__(self) -> bool:
         return bool(self.ranks)
 
-    def _shown(self) -> list[tuple[str, list[tuple[str, str | dict | Skipped]]]]:
-        """(label, runs) of each rank, in rank order, as the static view shows them."""
-        return [(label, _runs(_tail(list(chunks), *self.tail)[0])) for _, (label, chunks) in sorted(self.ranks.items())]
+    def _shown(self) -> list[tuple[str, list[tuple[str, str | dict | Skipped]], str | None]]:
+        """(label, runs, the file with all its text) of each rank, in rank order, as the static view shows them."""
+        return [
+            (label, _runs(_tail(list(chunks), *self.tail)[0]), self.paths.get(rank))
+            for rank, (label, chunks) in sorted(self.ranks.items())
+        ]
 
     def html(self) -> str:
         """The static view: math as TeX, typeset by the MathJax of JupyterLab or nbconvert."""
         out = ['<div class="monarch-ranks">']
-        for label, runs in self._shown():
+        for label, runs, path in self._shown():
             out.append(f'<div class="monarch-rank" data-label="{esc(label)}">')
-            out.append(f'<div class="monarch-rank-label">[{esc(label)}]</div><div class="monarch-rank-body">')
+            out.append(
+                f'<div class="monarch-rank-label">[{esc(label)}]</div>'
+                '<div class="monarch-rank-scroll"><div class="monarch-rank-body">'
+            )
             for stream, run in runs:
                 if stream == "display":
                     out.append(render.bundle_html(run, render.TEX))
                 elif stream == SKIPPED:
                     out.append(
-                        f'<div class="jp-RenderedText monarch-skipped"><pre>{esc(run.note(self.tail))}</pre></div>'
+                        f'<div class="jp-RenderedText monarch-skipped"><pre>{esc(run.note(self.tail, path))}</pre></div>'
                     )
                 else:
                     out.append(render.stream_html(stream, run))
-            out.append("</div></div>")
+            out.append("</div></div></div>")
         out.append("</div>")
         return "".join(out)
 
     def text(self) -> str:
         lines = []
-        for label, runs in self._shown():
+        for label, runs, path in self._shown():
             parts = [
                 str(run.get("text/plain", "")) + "\n"
                 if stream == "display"
-                else run.note(self.tail) + "\n"
+                else run.note(self.tail, path) + "\n"
                 if stream == SKIPPED
                 else render.plain(run)
                 for stream, run in runs

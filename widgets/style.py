@@ -23,7 +23,10 @@ CSS = (
 .monarch-ranks{display:flex;flex-direction:column;gap:4px;font-family:var(--jp-code-font-family,monospace);font-size:var(--jp-code-font-size,13px);color:var(--jp-content-font-color1,inherit)}
 .monarch-rank{display:flex;gap:8px;border-left:3px solid var(--jp-brand-color2,#8a6fd1);padding-left:6px}
 .monarch-rank-label{color:var(--jp-brand-color1,#6a4fb1);white-space:nowrap;min-width:6em;font-weight:600}
-.monarch-rank-body{flex:1;min-width:0}
+.monarch-rank-scroll{flex:1;min-width:0;max-height:24em;overflow-y:auto;display:flex;flex-direction:column-reverse}
+.monarch-rank-scroll.monarch-all{max-height:none}
+.monarch-rank-body{min-width:0}
+.monarch-rank-more{display:block;margin-top:2px;font:inherit;font-size:11px;font-weight:normal;cursor:pointer;color:var(--jp-content-font-color2,#666);background:none;border:1px solid var(--jp-border-color2,#ccc);border-radius:2px;padding:0 4px}
 .monarch-ranks .monarch-rank-body pre{margin:0;white-space:pre-wrap;word-break:break-word;background:transparent;padding:0;color:inherit}
 .monarch-rank-body .jp-RenderedText{padding:0}
 .monarch-rank-body .monarch-stderr{background:var(--jp-rendermime-error-background,#fdd)}

@@ -4,8 +4,9 @@ The controller reads them; workers get the values they need from the controller 
 (`protocol.WorkerStart`), so a worker never reads a knob of its own. Bad values are a `ValueError` naming the
 variable, the value and what is allowed.
 
-Three knobs are read here too, but when used rather than once, as a process may switch them: `jobs_dir()`
-(``MONARCH_JOBS_DIR``), `sim_profiles_dir()` (``MONARCH_SIM_PROFILES``) and `log_level_name()`
+Four knobs are read here too, but when used rather than once, as a process may switch them: `jobs_dir()`
+(``MONARCH_JOBS_DIR``), `sim_profiles_dir()` (``MONARCH_SIM_PROFILES``), `output_dir()`
+(``MONARCH_OUTPUT_DIR``) and `log_level_name()`
 (``MONARCH_LOG``, read by every process, workers too: `common/log.py` turns a bad value into a warning, not an
 error, as logging must never stop a run).
 """
@@ -118,6 +119,12 @@ def sim_profiles_dir() -> Path:
     """[MONARCH_SIM_PROFILES] Where `Simulator.calibrate()` saves this machine's profile and where
     ``device="<hostname>"`` finds it (default ``~/.cache/monarch/sim``)."""
     return Path(os.environ.get("MONARCH_SIM_PROFILES") or Path.home() / ".cache" / "monarch" / "sim")
+
+
+def output_dir() -> Path:
+    """[MONARCH_OUTPUT_DIR] Where a ``%%mesh`` cell's full output goes when a rank wrote more than its saved
+    view keeps (default ``~/.monarch/output``): a folder per cell, a file per rank."""
+    return Path(os.environ.get("MONARCH_OUTPUT_DIR") or Path.home() / ".monarch" / "output")
 
 
 def log_level_name() -> str:
