@@ -233,12 +233,18 @@ def in_process(before: str | None) -> dict:
 
 
 def measure(before: str | None = None) -> dict:
-    sides = {"monarch": None, **({"monarch before": before} if before else {})}
-    results = {}
-    for name, site in sides.items():
+    def side(site: str | None) -> dict:
         res = in_process(site)
         res["controller_death"] = controller_death(site)
-        results[name] = res
+        return res
+
+    results: dict = {}
+    if before:
+        from run import abba
+
+        results["monarch"], results["monarch before"] = abba(lambda: side(None), lambda: side(before))
+    else:
+        results["monarch"] = side(None)
     results["torchrun"] = {"one_rank_fails": torchrun_one_rank_fails()}
     return results
 

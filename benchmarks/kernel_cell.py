@@ -149,9 +149,16 @@ def measure(n: int = N_CELLS, before: str | None = None) -> dict:
         f"rc.activate()"
     )
     stop_ipp = "rc.close()\ncluster.stop_cluster_sync()"
-    results = {"monarch": _side("monarch", [mesh], mesh, None, n, None)}
     if before:
-        results["monarch before"] = _side("monarch", [mesh], mesh, None, n, None, before_env(before))
+        from run import abba
+
+        now, earlier = abba(
+            lambda: _side("monarch", [mesh], mesh, None, n, None),
+            lambda: _side("monarch", [mesh], mesh, None, n, None, before_env(before)),
+        )
+        results = {"monarch": now, "monarch before": earlier}
+    else:
+        results = {"monarch": _side("monarch", [mesh], mesh, None, n, None)}
     results["ipyparallel"] = _side("python3", [start_ipp, "%%px\nx = 1"], "%%px\nx = 1", stop_ipp, n,
                                    f"IPP_CLUSTER_ID={cid}".encode())  # fmt: skip
     return results

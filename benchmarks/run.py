@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from collections.abc import Callable
 
 N = 8
 ROUND_TRIPS = 500
@@ -166,11 +167,28 @@ def measure(python: str, code: str, env: dict | None = None) -> dict | None:
     return json.loads(lines[-1])
 
 
+def abba(now: Callable[[], dict | None], before: Callable[[], dict | None]) -> tuple[dict | None, dict | None]:
+    """Measure this tree and the earlier one in the order now, before, before, now, and average each side: run in
+    one fixed order, the side measured first read slower on this VM's one-time figures (cold caches; an
+    interleaved A/B of the same code showed no difference)."""
+    a1 = now()
+    b1, b2 = before(), before()
+    a2 = now()
+    return _mean([a1, a2]), _mean([b1, b2])
+
+
 def _mean(runs: list[dict | None]) -> dict | None:
-    """Each figure averaged over `runs` (None if one failed)."""
+    """Each number averaged over `runs` (anything else taken from the first); None if a run failed."""
     if any(r is None for r in runs):
         return None
-    return {k: statistics.mean(r[k] for r in runs) for k in runs[0]}
+    first = runs[0]
+    assert first is not None
+    return {
+        k: statistics.mean(r[k] for r in runs if r is not None)
+        if isinstance(v, int | float) and not isinstance(v, bool)
+        else v
+        for k, v in first.items()
+    }
 
 
 def ensure_ipyparallel() -> None:
@@ -213,11 +231,11 @@ def main() -> None:
     before = install_before(sys.argv[sys.argv.index("--before") + 1]) if "--before" in sys.argv else None
     if before:
         install_now()
-    if before:  # now, before, before, now: whichever runs first or second is not favoured (averaged per side)
-        now = [measure(sys.executable, MONARCH)]
-        earlier = [measure(sys.executable, MONARCH, before_env(before)) for _ in range(2)]
-        now.append(measure(sys.executable, MONARCH))
-        results = {"monarch": _mean(now), "monarch before": _mean(earlier)}
+    if before:
+        now, earlier = abba(
+            lambda: measure(sys.executable, MONARCH), lambda: measure(sys.executable, MONARCH, before_env(before))
+        )
+        results = {"monarch": now, "monarch before": earlier}
     else:
         results = {"monarch": measure(sys.executable, MONARCH)}
     results["ipyparallel"] = measure(sys.executable, IPYPARALLEL)

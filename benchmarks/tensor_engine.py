@@ -219,13 +219,16 @@ def measure_gloo(reduces: int = REDUCES) -> dict:
 def measure(ops: int = OPS, inspects: int = INSPECTS, reduces: int = REDUCES, before: str | None = None) -> dict:
     """Figures per side (seconds; ops per second): monarch, gloo, and torchmonarch when TORCHMONARCH_PYTHON is set."""
     results: dict = {}
-    results["monarch"] = _run_side(sys.executable, _script(MONARCH_SPAWN, MONARCH_REDUCE, ops, inspects, reduces))
-    assert results["monarch"] is not None, "monarch's tensor-engine benchmark failed"
+    script = _script(MONARCH_SPAWN, MONARCH_REDUCE, ops, inspects, reduces)
     if before:
-        from run import before_env
+        from run import abba, before_env
 
-        script = _script(MONARCH_SPAWN, MONARCH_REDUCE, ops, inspects, reduces)
-        results["monarch before"] = _run_side(sys.executable, script, env=before_env(before))
+        results["monarch"], results["monarch before"] = abba(
+            lambda: _run_side(sys.executable, script), lambda: _run_side(sys.executable, script, env=before_env(before))
+        )
+    else:
+        results["monarch"] = _run_side(sys.executable, script)
+    assert results["monarch"] is not None, "monarch's tensor-engine benchmark failed"
     results["gloo"] = measure_gloo(reduces)
     tm = os.environ.get("TORCHMONARCH_PYTHON")
     if tm:
