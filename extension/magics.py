@@ -46,7 +46,6 @@ class MeshMagics(Magics):
         """The mesh `%%mesh DIM=SIZE` cells run on (started on first use)."""
         self.current = None
         """The mesh the last `%%mesh` cell ran on (the whole mesh, with `--on`); `%mesh` commands act on it."""
-        self._unsliced = None
         self.widgets = in_kernel(shell)
         self.stdin: NotebookStdin | None = None
 
@@ -73,8 +72,8 @@ class MeshMagics(Magics):
         if cell is None:
             return self._line(line)
         opts = _parse_cell_args(line)
-        view = self._target(opts)
-        self.current = view if not opts["on"] else self._unsliced  # (`%mesh` shows the whole mesh, not the slice)
+        self.current = self._target(opts)  # (`%mesh` acts on the whole mesh, also after a cell on a slice)
+        view = _on(self.current, opts["on"])
         _refuse_if_busy(view)
         blocking = not opts["noblock"]
         if opts["group"] == "rank" and self.widgets:
@@ -143,12 +142,6 @@ class MeshMagics(Magics):
             view = self.implicit
         else:
             raise UsageError("%%mesh needs a shape (e.g. %%mesh gpu=4) or a mesh variable\n" + _USAGE)
-        self._unsliced = view
-        if opts["on"]:
-            try:
-                view = view.slice(**opts["on"])
-            except (ValueError, TypeError) as e:
-                raise UsageError(f"%%mesh --on: {e}") from None
         return view
 
     def existing_target(self, line: str) -> Any:
@@ -169,12 +162,10 @@ class MeshMagics(Magics):
             view = self.implicit
         if not isinstance(view, ProcMesh) or view.state != "running":
             return None
-        if opts["on"]:
-            try:
-                view = view.slice(**opts["on"])
-            except (ValueError, TypeError):
-                return None
-        return view
+        try:
+            return _on(view, opts["on"])
+        except UsageError:
+            return None
 
     def _implicit(self, sizes: dict[str, int], replace: bool) -> Any:
         from monarch.actor import this_host
@@ -420,6 +411,16 @@ def notebook_mesh(shell: Any) -> Any:
         if view is not None and view.state == "running":
             return view
     return None
+
+
+def _on(view: Any, on: dict | None) -> Any:
+    """`view` sliced by a cell's `--on` (itself without one)."""
+    if not on:
+        return view
+    try:
+        return view.slice(**on)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"%%mesh --on: {e}") from None
 
 
 def magics_of(ip) -> MeshMagics | None:
