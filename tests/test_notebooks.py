@@ -18,7 +18,12 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
 NOTEBOOKS = sorted(Path(REPO, "notebooks").glob("*.ipynb"))
-ELSEWHERE = {"slurm.ipynb": "tests/test_slurm.py runs it, on the Slurm it starts"}
+ELSEWHERE = {
+    "slurm.ipynb": "tests/test_slurm.py runs it, on the Slurm it starts",
+    "llama_fsdp.ipynb": "tests/test_llama.py runs it, on the Slurm it starts, and kills and resumes it",
+    "nanogpt.ipynb": "tests/test_nanogpt.py runs it and checks its training",
+    "torch_native_parallelism.ipynb": "tests/test_parallelism_notebook.py runs it and checks each reference",
+}
 """Notebooks that need more than this machine: executed by the module that sets up what they need."""
 
 
@@ -97,11 +102,16 @@ def test_committed_without_outputs(path):
         assert cell.execution_count is None, f"{path.name}: code cell {i} has an execution count"
 
 
-def run_notebook(path: Path, tmp_path: Path, local_workers: bool = True):
+def run_notebook(path: Path, tmp_path: Path, local_workers: bool = True, timeout: int = 120):
     """Execute `path` on the monarch kernel in `tmp_path`; no cell may fail (but those tagged
     raises-exception) and no process the kernel started may outlive it (with `local_workers`, some must have
-    run under it). Returns the executed notebook."""
+    run under it). Each cell may take `timeout` seconds. Returns the executed notebook.
+
+    `tmp_path/examples` links to the checkout's `examples/`, as `notebooks/` sits beside it there: a
+    notebook that imports the examples' model code finds it by looking for `examples/` from its folder up."""
     nb = _read(path)
+    if not (tmp_path / "examples").exists():
+        (tmp_path / "examples").symlink_to(Path(REPO, "examples"), target_is_directory=True)
     before = _monarch_procs(str(tmp_path))
     seen: set[int] = set()
     client = None
@@ -117,7 +127,7 @@ def run_notebook(path: Path, tmp_path: Path, local_workers: bool = True):
     client = nbclient.NotebookClient(
         nb,
         kernel_name="monarch",
-        timeout=120,
+        timeout=timeout,
         resources={"metadata": {"path": str(tmp_path)}},
         on_cell_executed=after_cell,
     )
