@@ -20,7 +20,7 @@ from monarch.runtime.wire.links import HEARTBEAT_TIMEOUT
 
 from conftest import REPO, say_started, started, wait_for, wait_gone, worker_pids
 from helpers.kernel_client import monarch_kernel
-from helpers.slurm_cluster import Cluster, missing
+from helpers.slurm_cluster import missing, running
 
 WHY = missing()
 if WHY is not None and os.environ.get("CI") and os.geteuid() == 0:  # CI as root installs Slurm (./run test)
@@ -30,21 +30,8 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(WHY is not None, reas
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = Cluster(hosts=2)
-    c.start()
-    saved = {k: os.environ.get(k) for k in ("SLURM_CONF", "MONARCH_JOBS_DIR")}
-    os.environ["SLURM_CONF"] = str(c.conf)
-    os.environ["MONARCH_JOBS_DIR"] = str(tmp_path_factory.mktemp("slurm-jobs"))
-    yield c
-    c.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    assert [
-        ns for ns in c.netns if ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    ] == []
+    with running(tmp_path_factory.mktemp("slurm-jobs")) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +70,12 @@ def whereabouts(group=None, fail_rank=None):
     t = torch.ones(1) * dist.get_rank()
     dist.all_reduce(t, group=group)
     return socket.gethostname(), interface_addr("eth0"), t.item()
+
+
+@monarch.remote
+def nap(marker):
+    say_started(marker)
+    time.sleep(60)
 
 
 def test_a_reserved_job_runs_live_functions_collectives_and_tensors_across_hosts(job):
@@ -164,11 +157,6 @@ def test_a_host_whose_link_goes_down_is_named_within_seconds_and_the_rest_works(
 
     mesh = job.spawn_procs({"gpu": 1})
     local = this_host().spawn_procs({"gpu": 1})
-
-    @monarch.remote
-    def nap(marker):
-        say_started(marker)
-        time.sleep(60)
 
     marker = str(tmp_path / "napping")  # (the hosts are namespaces of this machine: one file system)
     fut = nap.on(mesh).call_async(marker)
@@ -253,6 +241,25 @@ def test_a_job_that_slurm_ends_is_reported_and_cleanup_leaves_nothing(cluster, t
         job.spawn_procs({"gpu": 1})
     monarch.notebook.cleanup("ended")
     assert "ended" not in [j["name"] for j in monarch.notebook.list_jobs()]
+
+
+def test_a_call_running_when_its_job_is_cleaned_up_names_the_cleanup(cluster, tmp_path):
+    job = monarch.notebook.reserve(2, name="cut")
+    mesh = job.spawn_procs({"gpu": 1})
+    pids = worker_pids(mesh) + [a.pid for a in job.dir.agents()]
+
+    marker = str(tmp_path / "napping")
+    fut = nap.on(mesh).call_async(marker)
+    wait_for(lambda: started(marker, 2), what="the nap on both hosts")
+    monarch.notebook.cleanup("cut")
+    with pytest.raises(monarch.MeshStoppedError) as e:
+        fut.result(timeout=10)
+    assert (
+        "stopped because its job 'cut' was cleaned up (monarch.notebook.cleanup) while this call nap still ran"
+        in str(e.value)
+    )
+    assert "mesh.exit()" not in str(e.value)
+    assert wait_gone(pids, 15) == []
 
 
 @pytest.mark.timeout(300)

@@ -50,6 +50,10 @@ HANG_EVERY = 0.5
 _log = log.get("controller")
 
 
+STOPPED_BY_USER = "(mesh.exit(), %mesh restart or %mesh shutdown)"
+"""What stopped a mesh, unless told otherwise."""
+
+
 class Controller:
     """Owns this process's meshes. Get it with `get_controller()`."""
 
@@ -131,7 +135,7 @@ class Controller:
         if backend is None:
             return
         for mesh in [m for m in list(self.meshes.values()) if m.backend is backend]:
-            self.stop(mesh)  # (the last one lets go of the job)
+            self.stop(mesh, why=f"because its job {name!r} was cleaned up (monarch.notebook.cleanup)")
         if self.jobs.pop(name, None) is not None:
             backend.close()
 
@@ -430,8 +434,9 @@ class Controller:
         except Exception:  # the store is ours and local: this is not expected, and not fatal
             traceback.print_exc(file=sys.__stderr__)
 
-    def stop(self, mesh: SpawnedMesh) -> None:
-        """Stop a mesh's workers: ask them to exit, kill those that do not. Idempotent."""
+    def stop(self, mesh: SpawnedMesh, why: str = STOPPED_BY_USER) -> None:
+        """Stop a mesh's workers: ask them to exit, kill those that do not. Idempotent. `why`: what its
+        running calls say stopped it."""
         if mesh.state == "stopped":
             return
         was_running = mesh.state == "running"
@@ -440,7 +445,7 @@ class Controller:
         # raises "Connection closed by peer") is not what happened, and arrives for no one.
         for pending in list(self.calls.values()):
             if pending.mesh is mesh:
-                self._fail(pending, _stopped_during(pending))
+                self._fail(pending, _stopped_during(pending, why))
         mesh.exit_codes = mesh.backend.stop(mesh.mesh_id, graceful=was_running)
         mesh.state = "stopped"
         self._mark_gone(mesh)
@@ -484,13 +489,13 @@ class Controller:
         return self._closed
 
 
-def _stopped_during(pending: PendingCall) -> MeshStoppedError:
+def _stopped_during(pending: PendingCall, why: str) -> MeshStoppedError:
     mesh = pending.mesh
     running = [r for r in pending.ranks if r not in pending.replies]
     failed = [r for r, env in pending.replies.items() if not env.message.ok and r not in pending.released]
     what = f"{pending.name} " if pending.name else ""
     text = (
-        f"mesh {mesh.shape.describe()} was stopped (mesh.exit(), %mesh restart or %mesh shutdown) while this "
+        f"mesh {mesh.shape.describe()} was stopped {why} while this "
         f"call {what}still ran on {_ranks(running)}"
     )
     if failed:

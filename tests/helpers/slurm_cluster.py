@@ -9,12 +9,14 @@ files), whatever state it is in. docs/features/slurm.md says how the tests use i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 BRIDGE = "mnbr0"
@@ -174,3 +176,25 @@ class Cluster:
         for f in sorted(self.dir.glob("*.log")):
             parts.append(f"--- {f.name}\n{f.read_text(errors='replace')[-n:]}")
         return "\n".join(parts)
+
+
+@contextlib.contextmanager
+def running(jobs_dir: Path, hosts: int = 2) -> Iterator[Cluster]:
+    """A started cluster that `monarch.notebook` (SLURM_CONF, MONARCH_JOBS_DIR) uses, for a module's tests;
+    afterwards it is down, the environment as it was, and none of its namespaces left."""
+    c = Cluster(hosts=hosts)
+    c.start()
+    saved = {k: os.environ.get(k) for k in ("SLURM_CONF", "MONARCH_JOBS_DIR")}
+    os.environ["SLURM_CONF"] = str(c.conf)
+    os.environ["MONARCH_JOBS_DIR"] = str(jobs_dir)
+    try:
+        yield c
+    finally:
+        c.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert [ns for ns in c.netns if ns in listed] == []
