@@ -3,6 +3,7 @@
     ./run bench                 # installs ipyparallel if missing, measures both, prints ratios
     TORCHMONARCH_PYTHON=/path/to/venv/bin/python ./run bench   # adds Meta's Monarch (own venv:
                                 # its import name is also `monarch`)
+    ./run bench --workloads     # adds benchmarks/workloads.py: nanoGPT and the Llama FSDP step vs torchrun
     ./run bench --before REV    # adds this project at git revision REV ("monarch before"), installed
                                 # beside the checkout, measured in the same run (a change's before/after)
 
@@ -267,6 +268,9 @@ def main() -> None:
         if flag not in sys.argv:  # (each in its own process: they start meshes and a controller of their own)
             print(flush=True)
             subprocess.run([sys.executable, os.path.join(here, script)], check=False)
+    if "--workloads" in sys.argv:  # (minutes: real training side by side with torchrun; Slurm's part needs root)
+        print(flush=True)
+        subprocess.run([sys.executable, os.path.join(here, "workloads.py")], check=False)
 
 
 if __name__ == "__main__":
