@@ -17,6 +17,10 @@ SEND_EVERY = 0.05
 """Seconds new text waits for more before it is sent, joined per rank: a flood of output then travels as a
 few large messages a second, not thousands of small ones (past 1000 queued, iopub drops messages, the
 cell's end among them, and a front-end waits for it forever)."""
+CLOSE_AFTER = 3.0
+"""Seconds after a live view was made before its widget is closed, once static HTML replaced it: anywidget gives a
+new model 2 s to load its code in the browser, and one closed meanwhile (a quick cell's) logs "[anywidget] Failed
+to initialize model." in the browser's console."""
 
 
 class RankAreas:
@@ -103,7 +107,13 @@ class RankAreas:
             from IPython.display import update_display
 
             update_display(bundle, display_id=self._display_id, raw=True)
-            widget.close()
+            wait = self._created + CLOSE_AFTER - time.monotonic()
+            if wait <= 0:
+                widget.close()
+            else:
+                timer = threading.Timer(wait, widget.close)
+                timer.daemon = True
+                timer.start()
 
 
 class ArrivalLines:

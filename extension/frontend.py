@@ -74,11 +74,17 @@ class NotebookStdin:
         if self.widgets and req.debugger:
             self._show(req)
         prompt = f"[{req.label}] {req.prompt}"
+        echo = self.controller.stdin.echo  # the prompt and its answer in the rank's area too, as a terminal shows them
+        echo(req, req.prompt)
         if req.password:
             import getpass
 
-            return getpass.getpass(prompt)
-        return input(prompt)
+            text = getpass.getpass(prompt)
+            echo(req, "\n")
+            return text
+        text = input(prompt)
+        echo(req, text + "\n")
+        return text
 
     def _show(self, req: InputRequest) -> None:
         from IPython.display import display
@@ -87,10 +93,10 @@ class NotebookStdin:
 
         waiting = [r.label for r in self.controller.stdin.waiting() if r is not req]
         if self.view is None:
-            self.view = DebuggerView(active=req.label, paused=waiting, where=req.prompt)
+            self.view = DebuggerView(active=req.label, paused=waiting, where=req.where)
             display(self.view)
         else:
-            self.view.active, self.view.paused, self.view.where = req.label, waiting, req.prompt
+            self.view.active, self.view.paused, self.view.where = req.label, waiting, req.where
 
     def cell_done(self) -> None:
         """The cell ended: no rank is paused any more; the next breakpoint gets a new view."""

@@ -13,6 +13,7 @@ from typing import Any
 import cloudpickle
 
 from monarch.runtime.common import context
+from monarch.runtime.common.errors import cell_name
 from monarch.runtime.controller import OutputEvent, fnblob
 from monarch.runtime.mesh import ProcMesh, active_mesh
 from monarch.runtime.values import Future
@@ -97,11 +98,12 @@ class RemoteFunction:
             # The function travels in the message, apart from the arguments: a worker keeps it even when
             # the arguments fail to unpickle there.
             fn_blob, sources = (blob, _sources(fn)) if ship else (None, None)
+            cells = {f: c for f in sources or () if (c := cell_name(f)) is not None} or None
             pending = controller.call(
                 spawned,
                 shape.ranks,
                 lambda call_id: (
-                    protocol.Call(call_id, fid, shape.names, shape.sizes, shape.ranks, fn_blob, sources),
+                    protocol.Call(call_id, fid, shape.names, shape.sizes, shape.ranks, fn_blob, sources, cells),
                     body,
                 ),
                 no_stdin,

@@ -168,4 +168,4 @@ def test_pdb_counts_lines_as_the_editor_does(kernel: Kernel):
         stdin_hook=lambda msg: kernel.kc.input("c"),
     )
     assert r.status == "ok", r.text()
-    assert re.search(r"> <mesh cell \d+>\(4\)<module>\(\)\n\[gpu=0\] -> y = 2", r.text()), r.text()
+    assert re.search(r"> Cell In\[\d+\], line 4\n\[gpu=0\] -> y = 2", r.text()), r.text()

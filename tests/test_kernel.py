@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -184,8 +185,131 @@ def test_pdb_served_one_rank_after_another(kernel: Kernel):
     assert len(switch) == 1 and len(labels) == 5, labels
     final = r.final_outputs()[0]["text/plain"]
     assert "[gpu=0] 0" in final and "[gpu=1] 100" in final and "[gpu=1] resumed 2" in final
-    assert "<mesh cell" in final  # pdb shows where it stopped
+    assert re.search(r"\[gpu=0\] > Cell In\[\d+\], line 4\n\[gpu=0\] -> v \+= 1", final), final  # where it stopped
     assert any(m["msg_type"] == "comm_open" and "DebuggerView" in json.dumps(m["content"]) for m in r.msgs)
+
+
+def _debugger_states(r) -> list[dict]:
+    """Each state the cell's DebuggerView had (opened, then changed), in order."""
+    opened = [m for m in r.of("comm_open") if "pdb:" in m["content"]["data"]["state"].get("_esm", "")]
+    assert len(opened) == 1, opened
+    state = dict(opened[0]["content"]["data"]["state"])
+    states = [dict(state)]
+    for m in r.of("comm_msg"):
+        if m["content"]["comm_id"] == opened[0]["content"]["comm_id"]:
+            state.update(m["content"]["data"].get("state", {}))
+            states.append(dict(state))
+    return states
+
+
+def test_pdb_names_frames_as_ipython_does_and_its_view_says_where_not_the_prompt(kernel: Kernel):
+    """pdb's frame lines and `where` name a %%mesh cell's frame `Cell In[N], line L` (as grouped errors do), a
+    live function typed in the notebook by its cell too, and leave out the worker's own frames; the debugger
+    view says where the rank is paused, with no stray `(Pdb)` prompt in it."""
+    answers = iter(["where", "c", "where", "c"])
+    r = kernel.run(
+        "%%mesh --on gpu=0\ndef f(x):\n    breakpoint()\n    return x\nf(rank)",
+        allow_stdin=True,
+        stdin_hook=lambda msg: kernel.kc.input(next(answers)),
+    )
+    assert r.status == "ok", r.text()
+    n = r.reply["execution_count"]
+    text = r.final_outputs()[0]["text/plain"]
+    assert f"[gpu=0] > Cell In[{n}], line 4, in f()\n[gpu=0] -> return x" in text, text
+    assert f"[gpu=0]   Cell In[{n}], line 5\n[gpu=0] -> f(rank)" in text, text  # `where`: the caller, outermost
+    assert "<mesh cell" not in text and "forkserver" not in text and "worker.py" not in text, text
+    states = _debugger_states(r)
+    assert states[0]["active"] == "gpu=0" and states[0]["where"] == f"Cell In[{n}], line 4", states
+    assert not any("Pdb" in json.dumps(st) for st in states), states
+    r = kernel.run(
+        "import monarch\n@monarch.remote\ndef g():\n    breakpoint()\n    return 1\n"
+        "g.on(get_ipython().run_line_magic('mesh', 'status').mesh.slice(gpu=0))()",
+        allow_stdin=True,
+        stdin_hook=lambda msg: kernel.kc.input(next(answers)),
+    )
+    assert r.status == "ok", r.text()
+    n = r.reply["execution_count"]
+    assert f"[gpu=0] > Cell In[{n}], line 5, in g()" in r.text(), r.text()
+    assert "ipykernel_" not in r.text(), r.text()
+
+
+def test_stacks_name_the_controllers_notebook_frames_by_their_cell(kernel: Kernel):
+    r = kernel.run(
+        "def where_am_i():\n    return str(get_ipython().run_line_magic('mesh', 'status').mesh.stacks())\n"
+        "print(where_am_i())"
+    )
+    assert r.status == "ok", r.text()
+    n = r.reply["execution_count"]
+    controller = r.text().split("\n-- rank", 1)[0]
+    assert f"Cell In[{n}], line 3\n        print(where_am_i())" in controller, controller
+    assert f"Cell In[{n}], line 2, in where_am_i\n" in controller, controller
+    assert "ipykernel_" not in controller and "runtime/" not in controller, controller
+
+
+def test_an_interrupted_noblock_run_shows_each_traceback_once_with_its_ranks(kernel: Kernel, tmp_path):
+    """Ranks 0-2 stop at the interrupt while rank 3 waits for them in a barrier: their identical tracebacks are
+    shown once, with their ranks and the cell named as IPython names it, as a blocking cell's error is."""
+    marker = str(tmp_path / "started")
+    code = (
+        "%%mesh --noblock --save job\nimport time, torch.distributed as dist\n"
+        f"open({marker!r} + f'.{{rank}}', 'w').close()\n"
+        "if rank == 3:\n    dist.barrier()\nelse:\n    time.sleep(60)"
+    )
+    r = kernel.run(code)
+    assert r.status == "ok", r.text()
+    n = r.reply["execution_count"]
+    wait_for(lambda: started(marker, 4), 30, "the run starting on every rank")
+    stopped = kernel.run("job.interrupt()\nimport time\nwhile not job.done():\n    time.sleep(0.05)")
+    assert stopped.status == "ok", stopped.text()
+    after = kernel.run("job.done()")  # (what arrives as the run ends may come after the cell above)
+    items = [it for res in (stopped, after) for it in res.custom_items()]
+    said = {g: "".join(it["t"] for it in items if it["r"] == g and it["s"] == "stderr") for g in range(4)}
+    assert [said[g].count("Traceback") for g in range(4)] == [1, 0, 0, 0], said
+    assert said[0].startswith("-- ranks 0-2: KeyboardInterrupt:\nTraceback"), said
+    assert f"Cell In[{n}], line 7\n    time.sleep(60)" in said[0] and "<mesh cell" not in said[0], said
+    for g in (1, 2):
+        assert said[g].startswith("-- ranks 0-2: KeyboardInterrupt (shown once, under gpu=0)\n"), said
+    assert "KeyboardInterrupt" not in said[3].split("[this run", 1)[0], said  # rank 3 was released, not interrupted
+    assert kernel.run("%%mesh\nrank").status == "ok"
+
+
+def test_an_input_prompt_and_its_answer_show_in_the_ranks_area(kernel: Kernel):
+    """The notebook's input box echoes a prompt after the cell's areas; the rank's own area shows it too, in
+    order with what the rank printed, as a terminal does."""
+    prompts = []
+
+    def answer(msg):
+        prompts.append(msg["content"]["prompt"])
+        kernel.kc.input("alice")
+
+    r = kernel.run(
+        "%%mesh --on gpu=1\nprint('before')\nname = input('name? ')\nprint('hello', name)",
+        allow_stdin=True,
+        stdin_hook=answer,
+    )
+    assert r.status == "ok", r.text()
+    assert prompts == ["[gpu=1] name? "]
+    (final,) = r.final_outputs()
+    assert final["text/plain"] == "[gpu=1] before\n[gpu=1] name? alice\n[gpu=1] hello alice", final["text/plain"]
+    assert "name? alice" in final["text/html"]
+    assert "".join(it["t"] for it in r.custom_items()).count("name? alice\n") == 1  # (live too, once)
+
+
+def test_a_quick_cells_live_view_is_closed_only_once_the_browser_had_time_to_load_it(kernel: Kernel):
+    """anywidget gives a new model 2 s to load its code in the browser: a quick cell's live view, closed as soon as
+    static HTML replaced it, logged "[anywidget] Failed to initialize model." in the browser's console."""
+    r = kernel.run("%%mesh\nprint('quick', rank)")
+    assert r.status == "ok" and r.final_outputs(), r.text()
+    (opened,) = [m for m in r.of("comm_open") if "RankOutput" in m["content"]["data"]["state"].get("_anywidget_id", "")]
+    comm = opened["content"]["comm_id"]
+    closed = [m for m in r.of("comm_close") if m["content"]["comm_id"] == comm]
+    deadline = time.monotonic() + 30
+    while not closed and time.monotonic() < deadline:  # (sent later, while another cell runs)
+        closed = [
+            m for m in kernel.run("import time; time.sleep(0.2)").of("comm_close") if m["content"]["comm_id"] == comm
+        ]
+    assert closed, "the live view was never closed"
+    assert (closed[0]["header"]["date"] - opened["header"]["date"]).total_seconds() >= 2.5
 
 
 def test_pdb_without_stdin_is_an_error_not_a_hang(kernel: Kernel):

@@ -569,3 +569,38 @@ def test_trace_loads_in_perfettos_trace_processor(tmp_path):
     assert {(r["process"], r["thread"]): r["n"] for r in per_track} == expected
     assert {thread for _, thread in expected} == {"stream main", "stream comms"}
     assert errors == []
+
+
+def test_steps_marked_by_sim_step_are_counted_and_an_idle_timeline_says_why():
+    """Three steps read "3 steps" (per step in the table, not "1 step" for the whole run); a program whose
+    controller is slower than the device says that the ranks wait for the controller's Python."""
+    from monarch.widgets.sim_view import render
+
+    sim = monarch.Simulator(hosts=1, gpus=2, device="h100")
+    with sim.mesh.activate():
+        w = torch.rand(64, 64)
+        for _ in range(3):
+            x = torch.rand(8, 64) @ w
+            x.reduce_("gpu", "sum")
+            sim.step()
+            monarch.inspect(x.sum())  # (a step's loss, logged: the commands so far are sent)
+            time.sleep(0.005)  # the controller's own work between steps (data loading, logging, ...)
+    s = sim.summary()
+    assert [r.steps for r in s.timeline.ranks] == [3, 3] and s.timeline.steps_marked
+    assert s.steps_line() == "3 steps, ms per step" and abs(s.total_ms - 3 * s.step_ms) < 0.2 * s.total_ms
+    steps = [e for e in sim.trace_dict()["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")]
+    assert sorted((e["pid"], e["name"]) for e in steps) == [(r, f"ProfilerStep#{k}") for r in (0, 1) for k in range(3)]
+    idle = s.idle_line()
+    assert idle.startswith("idle ") and "waiting for the controller to send the next commands" in idle, idle
+    assert idle.endswith("the controller's Python sets the pace, not the device"), idle
+    html = render(sim.trace_dict(), s)
+    assert "per rank, ms per step (3 steps)" in html and "monarch-sim-idle" in html
+    assert idle in s.text()
+    sim.reset()  # a window without marks: not called "1 step"
+    with sim.mesh.activate():
+        torch.rand(8, 64) @ w
+    s = sim.summary()
+    assert not s.timeline.steps_marked and "no steps marked: sim.step()" in s.text()
+    html = render(sim.trace_dict(), s)
+    assert "per rank, ms over the whole trace (no steps marked)" in html and "sim.step() after each step" in html
+    sim.exit()

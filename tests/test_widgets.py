@@ -138,7 +138,8 @@ def test_rank_log_groups_by_rank_and_escapes():
 
 
 def test_debugger_view_static_forms():
-    view = DebuggerView(active="gpu=1", paused=["gpu=0", "gpu=3"], where="(Pdb) ")
+    view = DebuggerView(active="gpu=1", paused=["gpu=0", "gpu=3"], where="Cell In[5], line 4")
     b = view._repr_mimebundle_()
-    assert b["text/plain"] == "pdb: rank gpu=1 has the prompt; waiting: gpu=0, gpu=3"
+    assert b["text/plain"] == "pdb: rank gpu=1 has the prompt, paused at Cell In[5], line 4; waiting: gpu=0, gpu=3"
+    assert "Pdb" not in b["text/html"]  # where the rank is paused, not its prompt (the notebook's stdin shows that)
     assert "waiting: gpu=0, gpu=3" in b["text/html"]

@@ -11,12 +11,11 @@ _ESM = r"""
 function draw(model, el) {
   const root = document.createElement("div"); root.className = "monarch-debugger";
   const active = model.get("active"), paused = model.get("paused");
-  const head = document.createElement("div");
-  head.textContent = active ? `pdb: rank ${active} has the prompt` : "pdb: no rank paused";
+  const head = document.createElement("div"), where = model.get("where");
+  head.textContent = active ? `pdb: rank ${active} has the prompt${where ? `, paused at ${where}` : ""}` : "pdb: no rank paused";
   const rest = document.createElement("div");
   rest.textContent = paused.length ? `waiting: ${paused.join(", ")}` : "";
-  const where = document.createElement("pre"); where.textContent = model.get("where");
-  root.append(head, rest, where); el.replaceChildren(root);
+  root.append(head, rest); el.replaceChildren(root);
 }
 export default {
   render({ model, el }) {
@@ -38,13 +37,16 @@ class DebuggerView(StaticFallbackWidget):
     paused = traitlets.List().tag(sync=True)
     """Labels of other ranks waiting at a prompt."""
     where = traitlets.Unicode("").tag(sync=True)
-    """The active rank's prompt."""
+    """Where the active rank is paused, e.g. ``Cell In[5], line 4`` (its prompt is the notebook's stdin)."""
+
+    def _head(self) -> str:
+        if not self.active:
+            return "pdb: no rank paused"
+        return f"pdb: rank {self.active} has the prompt" + (f", paused at {self.where}" if self.where else "")
 
     def static_html(self) -> str:
-        head = f"pdb: rank {esc(self.active)} has the prompt" if self.active else "pdb: no rank paused"
         waiting = f"<div>waiting: {esc(', '.join(self.paused))}</div>" if self.paused else ""
-        return f'<div class="monarch-debugger"><div>{head}</div>{waiting}<pre>{esc(self.where)}</pre></div>'
+        return f'<div class="monarch-debugger"><div>{esc(self._head())}</div>{waiting}</div>'
 
     def static_text(self) -> str:
-        head = f"pdb: rank {self.active} has the prompt" if self.active else "pdb: no rank paused"
-        return head + (f"; waiting: {', '.join(self.paused)}" if self.paused else "")
+        return self._head() + (f"; waiting: {', '.join(self.paused)}" if self.paused else "")

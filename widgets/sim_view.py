@@ -3,9 +3,9 @@ summary with the overlap of communication and compute, and peak memory. Plain SV
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from monarch.runtime.tools import traces
 from monarch.widgets.style import esc, page
 from monarch.widgets.timeline import summary_table, timeline_svg
 
@@ -34,12 +34,16 @@ def render(trace: dict, summary: Any) -> str:
     more = f" (the first {MAX_RANKS} of {n} ranks)" if n > MAX_RANKS else ""
     head = (
         f"<div class='monarch-progress'>monarch.Simulator on {esc(summary.device)}: {summary.commands} commands, "
-        f"{summary.step_ms:.3f} ms simulated{more}</div>"
+        f"{summary.total_ms:.3f} ms simulated{more}</div>"
     )
     tl = summary.timeline
-    table = summary_table(traces.Summary(tl.ranks[:MAX_RANKS], tl.slowest, tl.why))
+    table = summary_table(dataclasses.replace(tl, ranks=tl.ranks[:MAX_RANKS]))
+    idle = summary.idle_line()
+    steps = "" if tl.steps_marked else f"<div class='monarch-profile-why'>{esc(summary.steps_line())}</div>"
     lines = (
-        f"<div class='monarch-sim-overlap monarch-profile-why'>{esc(summary.overlap_line())}</div>"
-        f"<div class='monarch-sim-memory monarch-profile-why'>{esc(summary.memory_line())}</div>"
+        steps
+        + f"<div class='monarch-sim-overlap monarch-profile-why'>{esc(summary.overlap_line())}</div>"
+        + (f"<div class='monarch-sim-idle monarch-profile-why'>{esc(idle)}</div>" if idle else "")
+        + f"<div class='monarch-sim-memory monarch-profile-why'>{esc(summary.memory_line())}</div>"
     )
     return page(f"<div class='monarch-sim'>{head}{timeline_svg(shown)}{lines}{table}</div>")

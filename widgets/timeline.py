@@ -65,6 +65,8 @@ def summary_table(summary: traces.Summary) -> str:
         attrs.append(f"data-rank='{r.rank}'" + (" class='monarch-slowest'" if slow else ""))
     steps = summary.ranks[0].steps if summary.ranks else 0
     caption = f"per rank, ms per step ({steps} step{'s' * (steps != 1)})"
+    if not summary.steps_marked:
+        caption = "per rank, ms over the whole trace (no steps marked)"
     cols = ["rank", "step", "compute", "comm", "idle", "overlap", ""]
     out = table(caption, cols, rows, "monarch-table monarch-profile-summary", attrs)
     if summary.why:

@@ -48,6 +48,14 @@ class Failure:
             return f"rank {self.ranks[0]} ({self.labels[0]})"
         return f"ranks {format_ranks(self.ranks)}"
 
+    def describe(self) -> str:
+        """``-- ranks 0-2: KeyboardInterrupt:`` and the traceback: this failure as a call's error shows it."""
+        lines = [f"-- {self.where()}: {self.exc_type}: {self.message}".rstrip()]
+        if self.varies:
+            lines.append("   ({...}: the values these ranks had)")
+        lines.append(self.traceback.rstrip())
+        return "\n".join(lines)
+
 
 @dataclass
 class Release:
@@ -163,11 +171,7 @@ def _ranks(ranks: list[int]) -> str:
 def _describe(head: str, failures: list[Failure]) -> str:
     lines = [head]
     for f in failures:
-        lines.append("")
-        lines.append(f"-- {f.where()}: {f.exc_type}: {f.message}".rstrip())
-        if f.varies:
-            lines.append("   ({...}: the values these ranks had)")
-        lines.append(f.traceback.rstrip())
+        lines += ["", f.describe()]
     return "\n".join(lines)
 
 
@@ -267,15 +271,31 @@ def _values(values: list[str]) -> str:
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
+KNOWN_CELLS: dict[str, str] = {}
+"""``{filename: "Cell In[5]"}``: files of notebook cells this process was told of (a worker, with the live
+functions defined in them that it is sent: `protocol.Call.cells`)."""
+
+
 def cell_name(filename: str) -> str | None:
-    """`Cell In[5]` for code of notebook cell 5: the file IPython compiled it into, or a `%%mesh` cell's
-    `<mesh cell 5>`; None for any other file."""
+    """`Cell In[5]` for code of notebook cell 5: the file IPython compiled it into (known in the notebook's
+    process, and on workers sent code from it), or a `%%mesh` cell's `<mesh cell 5>`; None for any other file."""
     if filename.startswith("<mesh cell ") and filename.endswith(">"):
         return f"Cell In[{filename[len('<mesh cell ') : -1]}]"
+    if filename in KNOWN_CELLS:
+        return KNOWN_CELLS[filename]
     ip = sys.modules.get("IPython")  # (never imported here: only looked up where a notebook runs)
     shell = ip.get_ipython() if ip is not None else None
     number = getattr(getattr(shell, "compile", None), "_filename_map", {}).get(filename)
     return None if number is None else f"Cell In[{number}]"
+
+
+def cell_frame(filename: str, line: int, func: str) -> str | None:
+    """``Cell In[5], line 4, in f`` (``Cell In[5], line 4`` at a cell's top level), as IPython names a frame
+    of a notebook cell; None for a frame of any other file (see `cell_name`)."""
+    cell = cell_name(filename)
+    if cell is None:
+        return None
+    return f"{cell}, line {line}" + ("" if func == "<module>" else f", in {func}")
 
 
 def name_cells(traceback: str) -> str:
@@ -283,10 +303,7 @@ def name_cells(traceback: str) -> str:
     ``Cell In[5], line 4, in f`` instead of ``File "/tmp/ipykernel_81/3170.py", line 4, in f``."""
 
     def name(m: re.Match) -> str:
-        cell = cell_name(m.group(1))
-        if cell is None:
-            return m.group(0)
-        return f"{cell}, line {m.group(2)}" + ("" if m.group(3) == "<module>" else f", in {m.group(3)}")
+        return cell_frame(m.group(1), int(m.group(2)), m.group(3)) or m.group(0)
 
     return _FRAME.sub(name, traceback) if "File " in traceback else traceback
 

@@ -16,9 +16,10 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+from monarch.runtime.common.errors import cell_frame
 from monarch.runtime.common.shape import format_ranks
 
-_RUNTIME = os.path.dirname(os.path.abspath(__file__))
+_RUNTIME = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _THREADING = threading.__file__
 _PLUMBING = tuple(
     f"{os.sep}{name}{os.sep}" for name in ("ipykernel", "IPython", "tornado", "asyncio", "zmq", "traitlets",
@@ -36,12 +37,9 @@ def _shown(filename: str) -> bool:
 
 
 def where(filename: str, line: int, func: str) -> str:
-    """A line as a notebook user reads it: `Cell In[5], line 4` for a %%mesh cell."""
-    if filename.startswith("<mesh cell "):
-        return f"Cell In[{filename[len('<mesh cell ') : -1]}], line {line}" + (
-            "" if func == "<module>" else f" in {func}"
-        )
-    return f"{filename}:{line} in {func}"
+    """A line as a notebook user reads it: `Cell In[5], line 4` for a %%mesh cell or (in the notebook's own
+    process) code typed in notebook cell 5, as IPython names it; `train.py:12 in step` for a file."""
+    return cell_frame(filename, line, func) or f"{filename}:{line} in {func}"
 
 
 def thread_stacks(skip: int | None = None) -> list[tuple[str, list[Frame]]]:

@@ -494,10 +494,7 @@ def _stopped_during(pending: PendingCall, why: str) -> MeshStoppedError:
     running = [r for r in pending.ranks if r not in pending.replies]
     failed = [r for r, env in pending.replies.items() if not env.message.ok and r not in pending.released]
     what = f"{pending.name} " if pending.name else ""
-    text = (
-        f"mesh {mesh.shape.describe()} was stopped {why} while this "
-        f"call {what}still ran on {_ranks(running)}"
-    )
+    text = f"mesh {mesh.shape.describe()} was stopped {why} while this call {what}still ran on {_ranks(running)}"
     if failed:
         text += f"; {_ranks(sorted(failed))} had failed before (their tracebacks were shown as they came)"
     return MeshStoppedError(text)

@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from monarch.runtime.common.errors import group_failures
 from monarch.runtime.controller.output import OutputEvent
 from monarch.runtime.controller.stdin import InputRequest
 from monarch.runtime.wire import codec, protocol
@@ -242,13 +243,20 @@ class Receiver:
         except Exception:
             return
         if info.exc_type != protocol.RELEASED:
-            pending.early_errors.append((env, info.traceback or f"{info.exc_type}: {info.message}\n"))
+            pending.early_errors.append((env, info))
 
     def show_early_errors(self, pending: PendingCall) -> None:
-        """Show the tracebacks of ranks that failed while the call goes on (a timer thread, once)."""
+        """Show the tracebacks of ranks that failed while the call goes on (a timer thread), grouped as the
+        call's error groups them: each distinct one once, with its ranks, in its first rank's place; the
+        other ranks' places name the error and where it is shown."""
         errors, pending.early_errors = pending.early_errors, []
-        for env, text in errors:
-            self._event(env, "error", text)
+        labels = pending.mesh.labels
+        for failure in group_failures([(env.rank, labels[env.rank], info) for env, info in errors]):
+            first, *others = failure.ranks
+            self.notice(pending, first, failure.describe() + "\n", "error")
+            pointer = f"-- {failure.where()}: {failure.exc_type} (shown once, under {labels[first]})\n"
+            for rank in others:
+                self.notice(pending, rank, pointer, "error")
 
     def _on_released(self, env: codec.Envelope) -> None:
         pending = self.controller.calls.get(env.message.call_id)
@@ -265,10 +273,10 @@ class Receiver:
         if got is not None:
             got[env.rank] = env.message.threads
 
-    def notice(self, pending: PendingCall, rank: int, text: str) -> None:
+    def notice(self, pending: PendingCall, rank: int, text: str, stream: str = "stderr") -> None:
         """Show a line of the runtime's about `pending` where its output goes, in `rank`'s place."""
         mesh = pending.mesh
-        self._deliver(pending, OutputEvent(pending.call_id, mesh.mesh_id, rank, mesh.labels[rank], "stderr", text))
+        self._deliver(pending, OutputEvent(pending.call_id, mesh.mesh_id, rank, mesh.labels[rank], stream, text))
 
     def _event(
         self,

@@ -96,5 +96,5 @@ class PendingCall:
     """The ranks that had answered were asked to shut their groups' connections (`protocol.Control.DISCONNECT`)."""
     busy: dict[int, protocol.Busy] = field(default_factory=dict)
     """Rank -> its latest `protocol.Busy` report."""
-    early_errors: list[tuple[codec.Envelope, str]] = field(default_factory=list)
-    """(envelope, traceback) of ranks that failed while others ran: shown at once if the call goes on."""
+    early_errors: list[tuple[codec.Envelope, protocol.ErrorInfo]] = field(default_factory=list)
+    """(envelope, error) of ranks that failed while others ran: shown at once if the call goes on."""

@@ -112,6 +112,13 @@ class StdinService:
         if self.debug_server is not None:
             self.debug_server.close()
 
+    def echo(self, req: InputRequest, text: str) -> None:
+        """Show `text` (a prompt being served, then its answer) in the rank's own output, where a terminal shows
+        them (a notebook's input box shows them apart, after the cell's rank areas)."""
+        pending = self.controller.calls.get(req.call_id) if req.call_id is not None else None
+        if pending is not None:
+            self.controller.receiver.notice(pending, req.rank, text, "stdout")
+
     def answer(self, req: InputRequest, ok: bool, text: str) -> None:
         if req.mesh.state == "running":
             self.controller.send(req.mesh, (req.rank,), protocol.StdinReply(req.req_id, ok, text))

@@ -48,6 +48,14 @@ def build(w: SimWorkers, labels: list[str], full: bool, controller: list[tuple[f
             used.add((r, e.stream))
             events.append({"ph": "X", "cat": cat, "name": e.name, "pid": r, "tid": stream_tid(n, e.stream),
                            "ts": round(ts, 3), "dur": round(dur, 3), "args": args})  # fmt: skip
+    begun: dict[int, float] = {}
+    for k, (ranks, ends) in enumerate(w.steps):  # as torch's profiler marks `prof.step()`, on the main stream
+        for r, end in zip(ranks.tolist(), ends.tolist()):
+            start = begun.get(r, t0)
+            begun[r] = max(end, start)
+            events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{k}", "pid": r,
+                           "tid": stream_tid(n, 0), "ts": round((start - t0) * 1e6, 3),
+                           "dur": round((begun[r] - start) * 1e6, 3)})  # fmt: skip
     for r, sid in sorted(used):
         name = w.names.get(sid, f"stream {sid}")
         events.append(

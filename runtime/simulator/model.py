@@ -120,6 +120,11 @@ class SimWorkers:
         """Stream id (not main) -> per rank, until when its thread waits for a reduce (on a GPU)."""
         self.owed = np.zeros(size) if self.inline and (dev.after_reduce > 0 or dev.beside_reduce > 0) else None
         """Per rank: what the ops after a reduce on the command thread still lose (`after_reduce`, CPU)."""
+        self.steps: list[tuple[np.ndarray, np.ndarray]] = []
+        """(ranks, when each had run all it was given) at each step's end (`sim.step()`, `prof.step()`)."""
+        self.starved = np.zeros(size)
+        """Per rank: seconds in the window it had run everything it was given and waited for the controller
+        to send more (idle because of the controller's own time, not the device's)."""
 
     # -- clocks ------------------------------------------------------------------------------------
     def reset(self, now: float) -> None:
@@ -128,6 +133,8 @@ class SimWorkers:
         self.open.clear()
         self.mem.clear()
         self.ahead.clear()
+        self.steps.clear()
+        self.starved[:] = 0.0
         self.commands = 0
         self.baseline = self.live.copy()
         self.window = now
@@ -272,8 +279,14 @@ class SimWorkers:
         """When every stream of `rank` has run what it was given (a value can be read)."""
         return max(self.dispatch[rank], *(s[rank] for s in self.streams.values())) + self.dev.dispatch
 
+    def _done(self, idx: np.ndarray) -> np.ndarray:
+        """Per rank of `idx`: when its command thread and every stream have run what they were given."""
+        return np.maximum.reduce([self.dispatch[idx], *(s[idx] for s in self.streams.values())])
+
     # -- commands ----------------------------------------------------------------------------------
     def run_batch(self, idx: np.ndarray, batch: list, arrival: float) -> None:
+        if self.events:  # (before its first op the window has not begun)
+            self.starved[idx] += np.maximum(arrival - self._done(idx), 0.0)
         # (a worker decodes a whole batch before it runs the first of its commands)
         self.dispatch[idx] = np.maximum(self.dispatch[idx], arrival) + len(batch) * self.dev.decode
         for cmd in batch:
@@ -341,7 +354,10 @@ class SimWorkers:
             self._run(idx, sid, dur, "send" if t is P.SendTo else "recv", "comm", cmd.where, 0.0, nb)
             if t is P.RecvFrom:
                 self._new_value(cmd.out, torch.empty(cmd.shape, dtype=cmd.dtype), idx, self._main(idx), cmd.where)
-        else:  # Seed, profiler commands: the command thread's time only
+        elif t is P.ProfileStep:  # a step ends where each rank has run what came before it
+            self._take(idx)
+            self.steps.append((idx, self._done(idx)))
+        else:  # Seed, other profiler commands: the command thread's time only
             self._take(idx)
 
     def _resolve(self, x: Any) -> Any:

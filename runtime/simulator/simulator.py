@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from monarch.runtime.common.shape import format_ranks
@@ -42,11 +42,18 @@ class SimSummary:
     peak_where: list[str] = field(default_factory=list)
     commands: int = 0
     memory_limit: int = 0
+    starved_ms: list[float] = field(default_factory=list)
+    """Per rank: ms of the window it waited for the controller to send commands, having run all it had."""
 
     @property
     def step_ms(self) -> float:
-        """The window's length: from its start until the last rank's last op ended."""
+        """A step's length (the slowest rank's), or the window's without steps marked."""
         return max((r.step_ms for r in self.timeline.ranks), default=0.0)
+
+    @property
+    def total_ms(self) -> float:
+        """The window's length: from its start until the last rank's last op ended (or its last step, marked)."""
+        return max((r.step_ms * r.steps for r in self.timeline.ranks), default=0.0)
 
     def overlap(self) -> dict[int, float | None]:
         """Rank -> the share of its communication hidden behind compute (0..1), None without communication."""
@@ -76,12 +83,47 @@ class SimSummary:
         both = f"{100 * lo:.0f}%" if round(100 * lo) == round(100 * hi) else f"{100 * lo:.0f}-{100 * hi:.0f}%"
         return f"communication overlapped with compute: {both} (per rank)"
 
+    def steps_line(self) -> str:
+        """How many steps the table's rows are per: ``3 steps``, or that none were marked."""
+        if not self.timeline.steps_marked:
+            return "the whole run (no steps marked: sim.step() after each step counts them)"
+        n = self.timeline.ranks[0].steps if self.timeline.ranks else 0
+        return f"{n} step{'s' * (n != 1)}, ms per step"
+
+    def idle_line(self) -> str:
+        """Why the ranks are idle, when they mostly are: waiting for the controller's Python to send commands
+        (the program's own time), or the engine's own time between short ops; "" when they idle little."""
+        ranks = self.timeline.ranks
+        run = sum(r.step_ms * r.steps for r in ranks)
+        idle = sum(r.idle_ms * r.steps for r in ranks)
+        if not ranks or run <= 0 or idle < IDLE_EXPLAINED * run:
+            return ""
+        starved = min(sum(self.starved_ms[r.rank] for r in ranks if r.rank < len(self.starved_ms)), idle)
+        parts = []
+        if starved >= 0.05 * run:
+            parts.append(
+                f"{100 * starved / run:.0f}% waiting for the controller to send the next commands (its Python: "
+                "building modules, autograd, your loop, timed as it really runs here)"
+            )
+        if idle - starved >= 0.05 * run:
+            parts.append(
+                f"{100 * (idle - starved) / run:.0f}% the engine's own time between short ops (taking and decoding "
+                f"each of {self.commands} commands, handing over between streams)"
+            )
+        line = f"idle {100 * idle / run:.0f}% of the time: {', '.join(parts)}"
+        return line + ("; the controller's Python sets the pace, not the device" if starved >= idle / 2 else "")
+
     def text(self, max_ranks: int = 16) -> str:
-        head = f"monarch.Simulator on {self.device}: {self.commands} commands, {self.step_ms:.3f} ms"
-        tl = traces.Summary(self.timeline.ranks[:max_ranks], self.timeline.slowest, self.timeline.why)
+        head = f"monarch.Simulator on {self.device}: {self.commands} commands, {self.total_ms:.3f} ms"
+        tl = replace(self.timeline, ranks=self.timeline.ranks[:max_ranks])
         more = len(self.timeline.ranks) - max_ranks
         body = tl.text() + (f"\n... and {more} more ranks" if more > 0 else "")
-        return "\n".join([head, body, self.overlap_line(), self.memory_line()])
+        lines = [head, self.steps_line(), body, self.overlap_line(), self.idle_line(), self.memory_line()]
+        return "\n".join(line for line in lines if line)
+
+
+IDLE_EXPLAINED = 0.25
+"""The share of the ranks' time idle from which the summary says why."""
 
 
 def _size(n: float) -> str:
@@ -126,6 +168,15 @@ class Simulator:
     def time(self) -> float:
         """The controller's simulated time now, in seconds since the simulator was made."""
         return self._backend.now()
+
+    def step(self) -> None:
+        """The end of a step (as `prof.step()`): the summary and the timeline show time per step and count
+        the steps. Queued in order with the ops; nothing waits."""
+        from monarch.runtime.tensor.engine import engine_for
+        from monarch.runtime.tensor.streams import MAIN
+        from monarch.runtime.wire import protocol
+
+        engine_for(self.mesh.spawned).push(tuple(self.mesh._shape.ranks), protocol.ProfileStep(), stream=MAIN)
 
     def reset(self) -> None:
         """Forget the timeline so far (tensors stay): the next `trace`/`summary` covers what runs from now."""
@@ -172,6 +223,7 @@ class Simulator:
             peak, when, what = w.memory()
             commands = w.commands
             origin = w.origin()
+            starved = [1000 * float(x) for x in w.starved]
         return SimSummary(
             device=self.device.describe(),
             timeline=traces.summarize(trace),
@@ -180,6 +232,7 @@ class Simulator:
             peak_where=what,
             commands=commands,
             memory_limit=self.device.memory,
+            starved_ms=starved,
         )
 
     def overlap(self) -> dict[int, float | None]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from monarch.runtime.common.errors import cell_name
+from monarch.runtime.common.errors import cell_frame
 from monarch.runtime.tensor.streams import Stream
 
 _RUNTIME = os.path.dirname(os.path.dirname(__file__))
@@ -46,10 +46,8 @@ def where() -> str:
     if f is None:
         return getattr(issuer, "where", "?")
     filename, func = f.f_code.co_filename, f.f_code.co_name
-    cell = cell_name(filename) if "ipykernel_" in filename else None
-    if cell is not None:
-        return f"{cell}, line {f.f_lineno}" + ("" if func == "<module>" else f" in {func}")
-    return f"{filename}:{f.f_lineno} in {func}"
+    cell = cell_frame(filename, f.f_lineno, func) if "ipykernel_" in filename else None
+    return cell or f"{filename}:{f.f_lineno} in {func}"
 
 
 _NOT_USERS = (_RUNTIME, _TORCH, threading.__file__)

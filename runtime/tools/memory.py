@@ -315,7 +315,7 @@ def frame_text(f: dict) -> str:
     filename, line, name = str(f.get("filename", "")), f.get("line", 0), str(f.get("name", ""))
     cell = filename if filename.startswith("Cell In[") else cell_name(filename)
     if cell is not None:
-        return f"{cell}, line {line}" + ("" if name == "<module>" else f" in {name}")
+        return f"{cell}, line {line}" + ("" if name == "<module>" else f", in {name}")
     return f"{os.path.basename(filename)}:{line} in {name}"
 
 

@@ -128,6 +128,9 @@ class Summary:
     slowest: int | None = None
     why: str = ""
     """One sentence: why `slowest` is named."""
+    steps_marked: bool = True
+    """Whether the trace marks steps (`prof.step()`, `sim.step()`); without, each rank's row covers the whole
+    trace as one step."""
 
     def text(self) -> str:
         """A small table, for a terminal."""
@@ -157,6 +160,7 @@ def summarize(merged: dict) -> Summary:
     out = Summary()
     common = None  # without `prof.step()`, every rank is measured over the same span (a rank that started
     if not any(STEP.match(e.get("name", "")) for evs in by_rank.values() for e in evs):  # late was not quicker)
+        out.steps_marked = False
         spans = [(e["ts"], e["ts"] + e.get("dur", 0)) for evs in by_rank.values() for e in evs if "ts" in e]
         common = (min(s for s, _ in spans), max(t for _, t in spans)) if spans else None
     for rank in sorted(by_rank):

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import builtins
 import io
+import multiprocessing
 import os
 import pdb
 import sys
 from typing import Any
+
+from monarch.runtime.common.errors import cell_frame, cell_name
 
 
 class RemoteStdin(io.TextIOBase):
@@ -48,6 +51,28 @@ class WorkerPdb(pdb.Pdb):
     def __init__(self) -> None:
         super().__init__(nosigint=True)  # the worker's SIGINT handler raises KeyboardInterrupt
 
+    def setup(self, f: Any, tb: Any) -> Any:
+        """As pdb's, with the frames above the user's code (the fork server's, the runtime's) left out of
+        `where`, `up` and `down`."""
+        done = super().setup(f, tb)
+        first = next((i for i, (frame, _) in enumerate(self.stack) if not _plumbing(frame.f_code.co_filename)), 0)
+        if 0 < first <= self.curindex:
+            del self.stack[:first]
+            self.curindex -= first
+        return done
+
+    def format_stack_entry(self, frame_lineno: tuple[Any, int], lprefix: str = ": ") -> str:
+        """As pdb's, with a frame of a `%%mesh` cell named as IPython names it: ``Cell In[5], line 4`` (``,
+        in f()`` inside a function) instead of ``<mesh cell 5>(4)<module>()``."""
+        text = super().format_stack_entry(frame_lineno, lprefix)
+        frame, line = frame_lineno
+        filename, func = self.canonic(frame.f_code.co_filename), frame.f_code.co_name or "<lambda>"
+        cell, head = cell_frame(filename, line, func), f"{filename}({line}){func}"
+        if cell is None or not text.startswith(head):
+            return text
+        rest = text[len(head) :]
+        return cell + (rest[2:] if func == "<module>" and rest.startswith("()") else rest)
+
     def _cmdloop(self) -> None:
         global _active
         _active = self
@@ -68,12 +93,24 @@ _active: WorkerPdb | None = None
 """The pdb reading commands on this worker now, if any."""
 
 
+_RUNTIME = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_MULTIPROCESSING = os.path.dirname(os.path.abspath(multiprocessing.__file__))
+
+
+def _plumbing(filename: str) -> bool:
+    """Whether a frame of `filename` is the worker's machinery (the fork server, the runtime), not user code."""
+    return filename == "<string>" or filename.startswith((_RUNTIME + os.sep, _MULTIPROCESSING + os.sep))
+
+
 def paused_at() -> str:
-    """Where this worker's pdb stopped, as ``file.py:12`` (the frame `up`/`down` selected), or ""."""
+    """Where this worker's pdb stopped (the frame `up`/`down` selected): ``Cell In[5], line 4`` in a
+    `%%mesh` cell, else ``file.py:12``; "" when it is not paused."""
     frame = getattr(_active, "curframe", None)
     if frame is None:
         return ""
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    filename, line = frame.f_code.co_filename, frame.f_lineno
+    cell = cell_name(filename)
+    return f"{cell}, line {line}" if cell else f"{os.path.basename(filename)}:{line}"
 
 
 def set_trace(*, header: str | None = None) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import cloudpickle
 import torch
 
-from monarch.runtime.common import context, log
+from monarch.runtime.common import context, errors, log
 from monarch.runtime.common.shape import Shape
 from monarch.runtime.wire import codec, protocol
 from monarch.runtime.wire.store import store_client
@@ -243,6 +243,7 @@ class Worker:
             if msg.fn is not None:
                 for filename, lines in (msg.sources or {}).items():
                     linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+                errors.KNOWN_CELLS.update(msg.cells or {})  # pdb and stacks name them as the notebook does
                 try:
                     self.fns[msg.fid] = cloudpickle.loads(msg.fn)
                 except BaseException as e:

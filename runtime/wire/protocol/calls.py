@@ -26,6 +26,9 @@ class Call:
     """The pickled function, when a worker does not have it yet."""
     sources: dict[str, list[str]] | None = None
     """``{filename: lines}`` of by-value code, so worker tracebacks show its source."""
+    cells: dict[str, str] | None = None
+    """``{filename: "Cell In[5]"}`` for those of `sources` that are notebook cells, so a worker names their
+    frames (pdb, stacks) as IPython does."""
 
 
 @message(1)
