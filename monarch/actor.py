@@ -1,6 +1,36 @@
-"""Meshes of worker processes: `from monarch.actor import this_host`."""
+"""Meshes of worker processes and the actors on them: `from monarch.actor import this_host, Actor, endpoint`.
 
+class Trainer(Actor):
+    @endpoint
+    def step(self):
+        ...
+
+procs = this_host().spawn_procs({"gpu": 4})
+trainers = procs.spawn("trainer", Trainer)
+trainers.step.call().get()          # a ValueMesh, one value per actor
+"""
+
+from monarch.runtime.actors import ActorEndpoint, ActorMesh, OneFuture, unhandled_fault_hook
+from monarch.runtime.common.actors import Actor, Context, context, endpoint
 from monarch.runtime.common.context import current_rank, current_size
 from monarch.runtime.mesh import HostMesh, MeshTable, ProcMesh, this_host
+from monarch.runtime.values import Future, ValueMesh
 
-__all__ = ["this_host", "HostMesh", "ProcMesh", "MeshTable", "current_rank", "current_size"]
+__all__ = [
+    "this_host",
+    "HostMesh",
+    "ProcMesh",
+    "MeshTable",
+    "current_rank",
+    "current_size",
+    "Actor",
+    "endpoint",
+    "context",
+    "Context",
+    "ActorMesh",
+    "ActorEndpoint",
+    "Future",
+    "OneFuture",
+    "ValueMesh",
+    "unhandled_fault_hook",
+]

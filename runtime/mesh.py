@@ -73,6 +73,11 @@ def this_host() -> HostMesh:
     return _this_host
 
 
+ACTORS: Callable[..., Any] | None = None
+"""Makes `ProcMesh.spawn`'s actor mesh: set by `monarch.runtime.actors` (which `monarch.actor` imports), a layer
+above this one."""
+
+
 class ProcMesh:
     """A view (all or part, possibly renamed or reshaped) of a spawned mesh of worker processes.
 
@@ -195,6 +200,14 @@ class ProcMesh:
         finally:
             _active.reset(token)
             capture.flush(self)
+
+    def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> Any:
+        """Start actor `cls(*args, **kwargs)` on every process of this view, under `name`; an actor mesh of this
+        view's shape (see `monarch.actor`)."""
+        if ACTORS is None:
+            raise TypeError(f"spawn({name!r}, {cls!r}): actors subclass monarch.actor.Actor (import it from there)")
+        self._check()
+        return ACTORS(self, name, cls, args, kwargs)
 
     def sync_workspace(self) -> dict[str, list[str]]:
         """For a mesh on a job reserved with a workspace: copy the workspace to the hosts again (only

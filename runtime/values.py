@@ -104,6 +104,20 @@ class Future(Generic[T]):
             self._value = self._decode(replies)
         return self._value
 
+    def exception(self) -> BaseException | None:
+        """For a call that has ended: the error `result()` raises (None when it succeeded). Never waits, so a
+        done callback may ask it."""
+        if not self.done():
+            raise RuntimeError(f"{self._name}: the call has not ended; exception() is for one that has")
+        error = self._pending.future.exception()
+        if error is not None or self._value is not None:
+            return error
+        try:
+            self._value = self._decode(self._pending.future.result())
+        except Exception as e:
+            return e
+        return None
+
     def interrupt(self) -> None:
         """Raise KeyboardInterrupt on the workers still running this call, and return at once (what Ctrl-C
         does to a call being waited for; for calls nobody waits for, such as `%%mesh --noblock` runs)."""

@@ -63,7 +63,7 @@ def whereabouts(group=None, fail_rank=None):
 
     import torch.distributed as dist
 
-    from monarch.runtime.agent.main import interface_addr
+    from monarch.runtime.common.net import interface_addr
 
     if dist.get_rank() == fail_rank:
         raise ValueError(f"rank {fail_rank} fails")

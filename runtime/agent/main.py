@@ -8,24 +8,12 @@ the job's directory, and serves until the job ends (SIGTERM: its workers are kil
 from __future__ import annotations
 
 import argparse
-import fcntl
 import os
 import signal
 import socket
-import struct
 import sys
 
-_SIOCGIFADDR = 0x8915
-
-
-def interface_addr(name: str) -> str | None:
-    """The IPv4 address of network interface `name`, or None."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            req = struct.pack("256s", name.encode()[:15])
-            return socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)[20:24])
-        except OSError:
-            return None
+from monarch.runtime.common.net import interface_addr
 
 
 def pick_address(bind: str | None, interface: str | None) -> tuple[str, str]:

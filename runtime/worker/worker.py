@@ -287,7 +287,7 @@ _NONE = codec.dumps(None)
 RELEASED = protocol.RELEASED
 
 _HERE = os.path.dirname(__file__)
-_PLUMBING = {__file__, *(os.path.join(_HERE, f) for f in ("cells.py", "stdin.py"))}
+_PLUMBING = {__file__, *(os.path.join(_HERE, f) for f in ("cells.py", "stdin.py", "actors.py"))}
 """Our frames at the top of a worker traceback; left out so the user's code comes first."""
 
 

@@ -1,0 +1,218 @@
+"""Actor meshes, the controller's side: `procs.spawn(name, cls, *args)` and the endpoints' adverbs.
+
+    class Counter(Actor):
+        def __init__(self, start):
+            self.n = start
+
+        @endpoint
+        def incr(self, by=1):
+            self.n += by
+            return self.n
+
+    counters = procs.spawn("counters", Counter, 0)     # one Counter per process of `procs`
+    counters.incr.call(2).get()                        # a ValueMesh: 2 on every process
+    counters.slice(gpu=0).incr.call_one().get()        # exactly one actor: its value
+    counters.incr.broadcast()                          # no reply; a failure is reported, not raised
+    counters.incr.choose().get()                       # one actor, the least busy
+    for value in counters.incr.stream(): ...           # each actor's value as it comes
+
+An endpoint call is a live-function call by name of the workers' `monarch.runtime.worker.actors.invoke`: it
+rides the same signed transport, and its output, errors (grouped by kind, with their ranks), interrupts and
+debugger are a live function's.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from monarch.runtime import mesh as _mesh
+from monarch.runtime.common.actors import Actor, endpoints_of
+from monarch.runtime.mesh import ProcMesh
+from monarch.runtime.remote import RemoteFunction
+from monarch.runtime.values import Future, ValueMesh
+
+WORKER = "monarch.runtime.worker.actors"
+
+
+class ActorMesh:
+    """The actors named `name` on the processes of a proc mesh view; slices like one. Get an endpoint as an
+    attribute (`actors.step`) and call it with an adverb: `call`, `call_one`, `broadcast`, `choose`, `stream`."""
+
+    def __init__(self, procs: ProcMesh, name: str, cls: type, endpoints: list[str]):
+        self._procs, self._name, self._cls, self._endpoints = procs, name, cls, endpoints
+        self._lock = threading.Lock()
+        self._in_flight: dict[int, int] = {}
+        """Per point of this view (its index), `choose` calls not answered yet."""
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def procs(self) -> ProcMesh:
+        """The proc mesh view these actors run on."""
+        return self._procs
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self._procs.sizes
+
+    def size(self, dim: str | None = None) -> int:
+        return self._procs.size(dim)
+
+    def __len__(self) -> int:
+        return len(self._procs)
+
+    def slice(self, **index: int | range | slice) -> ActorMesh:
+        """The actors of a slice of the mesh, as `ProcMesh.slice` takes it (`slice(gpu=0)`, `slice(**point)`)."""
+        return ActorMesh(self._procs.slice(**index), self._name, self._cls, self._endpoints)
+
+    def __getattr__(self, attr: str) -> ActorEndpoint:
+        if attr.startswith("__") or attr not in self.__dict__.get("_endpoints", ()):
+            endpoints = ", ".join(self.__dict__.get("_endpoints", ())) or "none"
+            cls = self.__dict__.get("_cls")
+            raise AttributeError(
+                f"{getattr(cls, '__name__', 'the actor')} has no endpoint {attr!r} (its endpoints: {endpoints}; "
+                "mark a method with @endpoint to call it)"
+            )
+        return ActorEndpoint(self, attr)
+
+    def stop(self) -> None:
+        """Stop these actors (each process forgets its object); the processes keep running."""
+        RemoteFunction.by_name(WORKER, "stop", self._procs).start((self._name,), {}, name=f"{self._name}.stop").result()
+
+    def __reduce__(self):
+        raise TypeError(
+            f"actor mesh {self._name!r} cannot be sent to workers yet: actors calling actors is not supported in "
+            "this version (call it from the notebook or script)"
+        )
+
+    def __repr__(self) -> str:
+        return f"<ActorMesh {self._name!r} of {self._cls.__name__} on {self._procs.describe()}>"
+
+
+class ActorEndpoint:
+    """One endpoint of an actor mesh; call it with an adverb."""
+
+    def __init__(self, actors: ActorMesh, name: str):
+        self._actors, self._name = actors, name
+
+    def _start(self, procs: ProcMesh, args: tuple, kwargs: dict) -> Future:
+        a = self._actors
+        fn = RemoteFunction.by_name(WORKER, "invoke", procs)
+        return fn.start((a._name, self._name, args, kwargs), {}, name=f"{a._name}.{self._name}")
+
+    def call(self, *args: Any, **kwargs: Any) -> Future:
+        """Call every actor of the mesh; a `Future` of their `ValueMesh` (`.get()`, or `await` it)."""
+        return self._start(self._actors._procs, args, kwargs)
+
+    def call_one(self, *args: Any, **kwargs: Any) -> OneFuture:
+        """Call the one actor of a mesh of size 1 (a slice to one point); a future of its value."""
+        procs = self._actors._procs
+        if len(procs) != 1:
+            raise ValueError(
+                f"call_one() needs exactly one actor; {self._actors._name!r} here is {procs.describe()} "
+                f"({len(procs)} actors): slice it to one point first, e.g. .slice(**point), or use call()"
+            )
+        return OneFuture(self._start(procs, args, kwargs))
+
+    def broadcast(self, *args: Any, **kwargs: Any) -> None:
+        """Send to every actor without waiting; a failure is reported (`unhandled_fault_hook`), never raised here."""
+        name = f"{self._actors._name}.{self._name}"
+        self._start(self._actors._procs, args, kwargs).add_done_callback(lambda f: _report_failure(f, name))
+
+    def choose(self, *args: Any, **kwargs: Any) -> OneFuture:
+        """Call one actor of the mesh, the one with the fewest `choose` calls in flight; a future of its value."""
+        a = self._actors
+        with a._lock:
+            point = min(range(len(a._procs)), key=lambda i: (a._in_flight.get(i, 0), i))
+            a._in_flight[point] = a._in_flight.get(point, 0) + 1
+        future = self._start(_point(a._procs, point), args, kwargs)
+
+        def done(_: Future) -> None:
+            with a._lock:
+                a._in_flight[point] -= 1
+
+        future.add_done_callback(done)
+        return OneFuture(future)
+
+    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        """Call every actor; yield each one's value as it arrives (a failure raises when it comes)."""
+        procs = self._actors._procs
+        futures = [self._start(_point(procs, i), args, kwargs) for i in range(len(procs))]
+        waiting: dict[concurrent.futures.Future, Future] = {}
+        for f in futures:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            f.add_done_callback(lambda _, d=done: d.set_result(None))
+            waiting[done] = f
+        for done in concurrent.futures.as_completed(waiting):
+            yield OneFuture(waiting[done]).get()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            f"call an endpoint with an adverb: {self._name}.call(...).get(), .call_one(...), .broadcast(...), "
+            ".choose(...) or .stream(...)"
+        )
+
+
+class OneFuture:
+    """The future of one actor's answer (`call_one`, `choose`): `get()` gives the value, not a `ValueMesh`."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def get(self, timeout: float | None = None) -> Any:
+        return _only(self._future.result(timeout))
+
+    result = get
+
+    def __await__(self):
+        return (yield from self._await().__await__())
+
+    async def _await(self) -> Any:
+        return _only(await self._future)
+
+
+def _only(values: ValueMesh) -> Any:
+    (value,) = values.values()
+    return value
+
+
+def _point(procs: ProcMesh, index: int) -> ProcMesh:
+    """The view of `procs`'s point `index` (its dimensions kept, each of size 1)."""
+    coords = procs._shape.coords(index)
+    return procs.slice(**{dim: range(c, c + 1) for dim, c in coords.items()})
+
+
+def _report_failure(future: Future, name: str) -> None:
+    error = future.exception()
+    if error is not None:
+        unhandled_fault_hook(error, name)
+
+
+def unhandled_fault_hook(error: BaseException, what: str) -> None:
+    """What happens to a failure nobody waits for (a `broadcast`'s): said on stderr. Replace it to handle them."""
+    print(f"monarch: {what} failed on actors nobody waited for:\n{error}", file=sys.stderr)
+
+
+def spawn(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs: dict) -> ActorMesh:
+    """`ProcMesh.spawn`: construct `cls(*args, **kwargs)` on every process of `procs` (waits: a constructor's
+    error raises here, with its ranks)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"spawn(name={name!r}, ...): give the actors a name (a non-empty string)")
+    if not (isinstance(cls, type) and issubclass(cls, Actor)):
+        raise TypeError(f"spawn({name!r}, {cls!r}): the class must subclass monarch.actor.Actor")
+    RemoteFunction.by_name(WORKER, "spawn", procs).start(
+        (name, cls, args, kwargs), {}, name=f"{name}.__init__"
+    ).result()
+    return ActorMesh(procs, name, cls, endpoints_of(cls))
+
+
+_mesh.ACTORS = spawn

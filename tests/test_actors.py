@@ -1,0 +1,235 @@
+"""Actors (issue 28, first part): `procs.spawn(name, cls, ...)` on real worker meshes, the endpoints' adverbs
+(`call`, `call_one`, `broadcast`, `choose`, `stream`), `async def` endpoints, `context()`, the order of messages,
+and the errors a user meets: grouped remote tracebacks, a constructor that fails, bad names and adverbs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+import monarch
+from monarch.actor import Actor, context, current_rank, endpoint, this_host
+
+from conftest import wait_gone, worker_pids
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Counter(Actor):
+    def __init__(self, start: int):
+        self.n = start
+        self.log: list[int] = []
+        self.me = context().actor_instance.rank
+
+    @endpoint
+    def incr(self, by: int = 1) -> int:
+        self.n += by
+        self.log.append(by)
+        return self.n
+
+    @endpoint
+    def history(self) -> list[int]:
+        return self.log
+
+    @endpoint
+    def where(self) -> tuple[dict, dict, dict]:
+        c = context()
+        return c.actor_instance.rank, c.message_rank, current_rank()
+
+    @endpoint
+    async def twice_later(self, x: int, delay: float = 0.01) -> int:
+        await asyncio.sleep(delay)
+        return 2 * x
+
+    @endpoint
+    def fail_on(self, gpu: int) -> int:
+        if self.me["gpu"] == gpu:
+            raise ValueError(f"no counting on gpu {gpu}")
+        return self.n
+
+    @endpoint
+    def nap(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.me["gpu"]
+
+    @endpoint
+    def nap_if(self, gpu: int, seconds: float) -> int:
+        if self.me["gpu"] == gpu:
+            time.sleep(seconds)
+        return self.me["gpu"]
+
+    def not_an_endpoint(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def procs():
+    mesh = this_host().spawn_procs({"gpu": 4})
+    pids = worker_pids(mesh)
+    yield mesh
+    mesh.exit()
+    assert wait_gone(pids) == []
+
+
+def test_call_reaches_every_actor_and_each_keeps_its_state(procs):
+    c = procs.spawn("state", Counter, 10)
+    assert list(c.incr.call(2).get()) == [12] * 4
+    assert c.slice(gpu=1).incr.call_one(5).get() == 17
+    assert list(c.incr.call().get()) == [13, 18, 13, 13]
+    values = c.incr.call(0).get()
+    assert values.item(gpu=1) == 18 and values.sizes == {"gpu": 4}
+
+
+def test_messages_from_one_sender_arrive_in_the_order_sent(procs):
+    c = procs.spawn("order", Counter, 0)
+    futures = [c.incr.call(i) for i in range(1, 51)]  # not waited for in between
+    for f in futures:
+        f.get()
+    for b in range(10):
+        c.incr.broadcast(100 + b)
+    assert list(c.history.call().get()) == [[*range(1, 51), *range(100, 110)]] * 4
+
+
+def test_slices_and_context(procs):
+    c = procs.spawn("where", Counter, 0)
+    got = list(c.slice(gpu=slice(2, 4)).where.call().get())
+    # the actor's own coordinates in its mesh; the message's coordinates in the slice it was sent to
+    assert got == [({"gpu": 2}, {"gpu": 0}, {"gpu": 0}), ({"gpu": 3}, {"gpu": 1}, {"gpu": 1})]
+    assert c.slice(gpu=3).where.call_one().get()[0] == {"gpu": 3}
+    assert len(c.slice(gpu=slice(0, 2))) == 2 and c.slice(gpu=slice(0, 2)).sizes == {"gpu": 2}
+
+
+def test_async_endpoints_and_awaiting_futures(procs):
+    c = procs.spawn("async", Counter, 0)
+    assert list(c.twice_later.call(21).get()) == [42] * 4
+
+    async def main():
+        return await c.twice_later.call(1), await c.slice(gpu=0).twice_later.call_one(5)
+
+    mesh_value, one = asyncio.run(main())
+    assert list(mesh_value) == [2] * 4 and one == 10
+
+
+def test_stream_yields_each_value_as_it_arrives(procs):
+    c = procs.spawn("stream", Counter, 0)
+    assert sorted(c.nap.stream(0.0)) == [0, 1, 2, 3]
+    t0 = time.monotonic()
+    it = c.nap_if.stream(2, 1.0)  # gpu=2 naps a second; the others answer at once
+    first = [next(it) for _ in range(3)]
+    assert time.monotonic() - t0 < 0.9, "the quick answers waited for the slow one"
+    assert sorted(first) == [0, 1, 3] and list(it) == [2]
+
+
+def test_choose_spreads_calls_over_the_actors(procs):
+    c = procs.spawn("choose", Counter, 0)
+    futures = [c.nap.choose(0.3) for _ in range(4)]  # four at once: one each
+    assert sorted(f.get() for f in futures) == [0, 1, 2, 3]
+    assert c.incr.choose(1).get() == 1
+
+
+def test_an_endpoint_error_comes_back_grouped_with_its_rank_and_the_actors_keep_working(procs):
+    c = procs.spawn("errors", Counter, 7)
+    with pytest.raises(monarch.RemoteError) as e:
+        c.fail_on.call(2).get()
+    text = str(e.value)
+    assert "errors.fail_on failed on 1 of 4 ranks" in text and "rank 2" in text, text
+    assert "ValueError: no counting on gpu 2" in text and "in fail_on" in text
+    assert "worker/actors.py" not in text  # our plumbing is left out of the traceback
+    assert list(c.fail_on.call(9).get()) == [7] * 4  # the same actors answer again
+
+
+def test_a_failed_broadcast_goes_to_the_unhandled_fault_hook(procs, monkeypatch):
+    import monarch.runtime.actors as actors
+
+    seen = []
+    monkeypatch.setattr(actors, "unhandled_fault_hook", lambda error, what: seen.append((what, str(error))))
+    c = procs.spawn("hooked", Counter, 0)
+    c.fail_on.broadcast(1)
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen and seen[0][0] == "hooked.fail_on" and "no counting on gpu 1" in seen[0][1]
+
+
+def test_bad_spawns_and_calls_say_what_is_wrong(procs):
+    with pytest.raises(TypeError, match=r"the class must subclass monarch.actor.Actor"):
+        procs.spawn("plain", dict)
+    with pytest.raises(ValueError, match=r"give the actors a name"):
+        procs.spawn("", Counter, 0)
+    procs.spawn("twice", Counter, 0)
+    with pytest.raises(monarch.RemoteError, match=r"an actor named 'twice' already runs on this process"):
+        procs.spawn("twice", Counter, 0)
+    with pytest.raises(
+        monarch.RemoteError, match=r"(?s)twice2.__init__ failed on 4 of 4 ranks.*missing 1 required positional argument"
+    ):
+        procs.spawn("twice2", Counter)  # the constructor's own error, raised at spawn
+    c = procs.spawn("bad", Counter, 0)
+    with pytest.raises(AttributeError, match=r"Counter has no endpoint 'not_an_endpoint' \(its endpoints: .*incr"):
+        c.not_an_endpoint  # noqa: B018
+    with pytest.raises(ValueError, match=r"call_one\(\) needs exactly one actor; 'bad' here is \{gpu: 4\}"):
+        c.incr.call_one()
+    with pytest.raises(TypeError, match=r"call an endpoint with an adverb"):
+        c.incr()
+    with pytest.raises(TypeError, match=r"cannot be sent to workers yet"):
+        monarch.remote(lambda m: 1).on(procs)(c)
+
+
+def test_stopped_actors_are_gone_from_their_processes(procs):
+    c = procs.spawn("stopping", Counter, 0)
+    c.stop()
+    with pytest.raises(monarch.RemoteError, match=r"no actor named 'stopping' on this process"):
+        c.incr.call().get()
+    procs.spawn("stopping", Counter, 0)  # the name is free again
+
+
+def test_a_process_that_dies_under_an_actor_mesh_fails_its_calls_naming_the_rank():
+    import os
+
+    mesh = this_host().spawn_procs({"gpu": 2})
+    pids = worker_pids(mesh)
+    try:
+        c = mesh.spawn("dying", Counter, 0)
+        f = c.slice(gpu=1).nap.call_one(30)
+        time.sleep(0.3)
+        os.kill(pids[1], 9)
+        t0 = time.monotonic()
+        with pytest.raises(monarch.WorkerDiedError, match=r"rank 1 \(gpu=1\)"):
+            f.get(timeout=10)
+        assert time.monotonic() - t0 < 3
+    finally:
+        mesh.exit()
+    assert wait_gone(pids) == []
+
+
+def test_in_the_notebook_an_actors_prints_land_in_its_ranks_area_and_errors_are_grouped():
+    from helpers.kernel_client import monarch_kernel
+
+    define = (
+        "from monarch.actor import Actor, endpoint, context, this_host\n"
+        "class Greeter(Actor):\n"
+        "    @endpoint\n"
+        "    def hello(self, who):\n"
+        "        me = context().actor_instance.rank['gpu']\n"
+        "        print(f'hello {who} from actor {me}')\n"
+        "        return me\n"
+        "    @endpoint\n"
+        "    def boom(self):\n"
+        "        raise KeyError('nothing here')\n"
+        "procs = this_host().spawn_procs({'gpu': 2})\n"
+        "greeters = procs.spawn('greeters', Greeter)"
+    )
+    with monarch_kernel() as k:
+        assert k.run(define).status == "ok"
+        r = k.run("greeters.hello.call('you').get()")
+        assert r.status == "ok", r.text()
+        text = r.text()
+        assert "[gpu=0] hello you from actor 0" in text and "[gpu=1] hello you from actor 1" in text, text
+        assert "ValueMesh {gpu: 2}" in text
+        r = k.run("greeters.boom.call().get()")
+        assert r.status == "error"
+        error = "\n".join(r.reply["traceback"])
+        assert "greeters.boom failed on 2 of 2 ranks" in error and "ranks 0-1: KeyError: 'nothing here'" in error
+        assert "Cell In[" in error and "in boom" in error, error
+        assert k.run("procs.exit()").status == "ok"
