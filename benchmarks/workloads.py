@@ -101,10 +101,13 @@ def llama_torchrun(cluster: Cluster, env: dict) -> dict | None:
             capture_output=True, text=True, cwd=REPO, env=env, check=True,
         )  # fmt: skip
         job_id = sub.stdout.strip().split(";")[0]
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + 300
+        while True:
             st = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True, env=env).stdout
             if not st.strip():
+                break
+            if time.monotonic() > deadline:  # (its steps are in the log already: a hang at exit costs no figure)
+                subprocess.run(["scancel", job_id], env=env, check=False)
                 break
             time.sleep(0.5)
         log = open(f"{d}/out").read()

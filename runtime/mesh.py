@@ -334,6 +334,7 @@ class ProcMesh:
                     else "",
                     "running": b.doing(rank) if b is not None else "",
                     "for": since,
+                    "actors": ", ".join(f"{n} ({c})" for n, (c, ranks) in sp.actors.items() if rank in ranks),
                 }
             )
         return MeshTable(self._shape.describe(), list(self._shape.names), rows, self)
@@ -392,7 +393,9 @@ class MeshTable:
 
     @property
     def columns(self) -> list[str]:
-        return [*self.dims, "rank", "hostname", "pid", "device", "status", "memory", "running", "for"]
+        """The dimensions, then each worker's facts; "actors" only where some run actors."""
+        actors = ["actors"] if any(row.get("actors") for row in self.rows) else []
+        return [*self.dims, "rank", "hostname", "pid", "device", "status", "memory", "running", "for", *actors]
 
     def __str__(self) -> str:
         cols = self.columns

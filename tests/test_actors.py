@@ -233,3 +233,14 @@ def test_in_the_notebook_an_actors_prints_land_in_its_ranks_area_and_errors_are_
         assert "greeters.boom failed on 2 of 2 ranks" in error and "ranks 0-1: KeyError: 'nothing here'" in error
         assert "Cell In[" in error and "in boom" in error, error
         assert k.run("procs.exit()").status == "ok"
+
+
+def test_the_mesh_table_lists_each_processs_actors(procs):
+    a = procs.spawn("tabled", Counter, 0)
+    procs.slice(gpu=slice(0, 2)).spawn("half", Counter, 0)
+    rows = procs.to_table(with_memory=False).rows
+    assert [r["actors"].count("tabled (Counter)") for r in rows] == [1, 1, 1, 1]
+    assert [("half (Counter)" in r["actors"]) for r in rows] == [True, True, False, False]
+    assert "actors" in procs.to_table(with_memory=False).columns
+    a.stop()
+    assert not any("tabled" in r["actors"] for r in procs.to_table(with_memory=False).rows)

@@ -12,6 +12,7 @@ From a notebook, the same training runs through monarch: notebooks/llama_fsdp.ip
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -59,39 +60,47 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
     try:
-        cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
-        trainer = Trainer(cfg)
-        rank = trainer.rank
-        if rank == 0:
-            print(f"resumed from {trainer.resumed_from}" if trainer.resumed_from else "starting fresh", flush=True)
-        prof = _profiler(args.profile_dir, rank) if args.use_profiler else None
-        losses, times = {}, []
-        tokens = cfg.batch_size * cfg.seq_len * trainer.world
-        while trainer.step_no < args.steps:
-            t0 = time.perf_counter()
-            loss = trainer.step()
-            times.append(time.perf_counter() - t0)
-            losses[trainer.step_no] = loss
-            if prof is not None:
-                prof.step()
-            if rank == 0 and trainer.step_no % args.report_interval == 0:
-                print(f"step {trainer.step_no} loss {loss:.6f} ({times[-1] * 1e3:.1f} ms, "
-                      f"{tokens / times[-1]:,.0f} tokens/s)", flush=True)  # fmt: skip
-        if prof is not None:
-            prof.stop()
-            dist.barrier()
-            if rank == 0:
-                _merge(args.profile_dir, trainer.world)
-        if rank == 0:
-            steady = times[2:] or times
-            if steady:
-                print(f"mean step {sum(steady) / len(steady) * 1e3:.2f} ms over {len(steady)} steps", flush=True)
-            if args.losses:
-                with open(args.losses, "w") as f:
-                    json.dump(losses, f)
-        return 0
+        return _train(args)
     finally:
+        # The trainer (its FSDP state holds the group) must be gone before the group: a gloo rank that exits
+        # with both alive can abort ("terminate called without an active exception"), and torchrun's agents
+        # then wait for each other.
+        gc.collect()
         dist.destroy_process_group()
+
+
+def _train(args: argparse.Namespace) -> int:
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
+    trainer = Trainer(cfg)
+    rank = trainer.rank
+    if rank == 0:
+        print(f"resumed from {trainer.resumed_from}" if trainer.resumed_from else "starting fresh", flush=True)
+    prof = _profiler(args.profile_dir, rank) if args.use_profiler else None
+    losses, times = {}, []
+    tokens = cfg.batch_size * cfg.seq_len * trainer.world
+    while trainer.step_no < args.steps:
+        t0 = time.perf_counter()
+        loss = trainer.step()
+        times.append(time.perf_counter() - t0)
+        losses[trainer.step_no] = loss
+        if prof is not None:
+            prof.step()
+        if rank == 0 and trainer.step_no % args.report_interval == 0:
+            print(f"step {trainer.step_no} loss {loss:.6f} ({times[-1] * 1e3:.1f} ms, "
+                  f"{tokens / times[-1]:,.0f} tokens/s)", flush=True)  # fmt: skip
+    if prof is not None:
+        prof.stop()
+        dist.barrier()
+        if rank == 0:
+            _merge(args.profile_dir, trainer.world)
+    if rank == 0:
+        steady = times[2:] or times
+        if steady:
+            print(f"mean step {sum(steady) / len(steady) * 1e3:.2f} ms over {len(steady)} steps", flush=True)
+        if args.losses:
+            with open(args.losses, "w") as f:
+                json.dump(losses, f)
+    return 0
 
 
 def _profiler(directory: str, rank: int):

@@ -83,7 +83,16 @@ class ActorMesh:
 
     def stop(self) -> None:
         """Stop these actors (each process forgets its object); the processes keep running."""
-        RemoteFunction.by_name(WORKER, "stop", self._procs).start((self._name,), {}, name=f"{self._name}.stop").result()
+        procs = self._procs
+        RemoteFunction.by_name(WORKER, "stop", procs).start((self._name,), {}, name=f"{self._name}.stop").result()
+        known = procs.spawned.actors
+        if self._name in known:
+            cls, ranks = known[self._name]
+            left = ranks - frozenset(procs._shape.ranks)
+            if left:
+                known[self._name] = (cls, left)
+            else:
+                del known[self._name]
 
     def __reduce__(self):
         raise TypeError(
@@ -212,6 +221,9 @@ def spawn(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs: dict) -> A
     RemoteFunction.by_name(WORKER, "spawn", procs).start(
         (name, cls, args, kwargs), {}, name=f"{name}.__init__"
     ).result()
+    known = procs.spawned.actors
+    _, ranks = known.get(name, ("", frozenset()))
+    known[name] = (cls.__name__, ranks | frozenset(procs._shape.ranks))
     return ActorMesh(procs, name, cls, endpoints_of(cls))
 
 

@@ -236,6 +236,18 @@ def group_failures(raw: list[tuple[int, str, ErrorInfo]]) -> list[Failure]:
     return out
 
 
+PEER_GONE = re.compile(
+    r"Connection (?:reset|closed) by peer|Broken pipe|remote process exited|NCCL communicator was aborted"
+)
+"""What a collective raises when another rank's process went away: a consequence, not a cause."""
+
+
+def peer_gone(info: ErrorInfo) -> bool:
+    """Whether `info` is a collective's error about a peer that went away (its own failure is told elsewhere:
+    a `WorkerDiedError`, or the failing rank's own traceback)."""
+    return bool(PEER_GONE.search(info.message))
+
+
 _NUMBERS = re.compile(r"(\d+(?:\.\d+)?)")
 MARKED_AT_MOST = 3
 """Messages that differ in more numbers than this are shown apart: marking them all would hide which is which."""

@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from monarch.runtime.common.errors import group_failures
+from monarch.runtime.common.errors import group_failures, peer_gone
 from monarch.runtime.controller.output import OutputEvent
 from monarch.runtime.controller.stdin import InputRequest
 from monarch.runtime.wire import codec, protocol
@@ -242,7 +242,9 @@ class Receiver:
             info = codec.loads(env.body, env.buffers)
         except Exception:
             return
-        if info.exc_type != protocol.RELEASED:
+        # A collective's "Connection reset by peer" is what another rank's death did to this one: that death
+        # is told (a WorkerDiedError) a moment later, and this would only bury it.
+        if info.exc_type != protocol.RELEASED and not peer_gone(info):
             pending.early_errors.append((env, info))
 
     def show_early_errors(self, pending: PendingCall) -> None:

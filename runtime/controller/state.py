@@ -56,6 +56,8 @@ class SpawnedMesh:
     """Calls whose caller was interrupted and gave up on them while some ranks still ran them."""
     generation: int = 0
     """How many times its process groups were re-formed (after ranks were released from a collective)."""
+    actors: dict[str, tuple[str, frozenset[int]]] = field(default_factory=dict)
+    """Actor name -> (its class's name, the ranks it runs on): what `ProcMesh.spawn` started here."""
 
     @property
     def size(self) -> int:
