@@ -244,3 +244,35 @@ def test_the_mesh_table_lists_each_processs_actors(procs):
     assert "actors" in procs.to_table(with_memory=False).columns
     a.stop()
     assert not any("tabled" in r["actors"] for r in procs.to_table(with_memory=False).rows)
+
+
+class TorchrunStyle(Actor):
+    @endpoint
+    def train(self) -> float:
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")  # from the environment, as under torchrun
+        t = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(t)
+        return t.item()
+
+
+def test_torchrun_style_code_runs_in_actors_after_setup_torch_elastic_env():
+    from monarch.spmd import setup_torch_elastic_env
+
+    mesh = this_host().spawn_procs({"gpu": 3})
+    pids = worker_pids(mesh)
+    try:
+        trainers = mesh.spawn("torchrun", TorchrunStyle)
+        envs = setup_torch_elastic_env(trainers)
+        assert [(e["RANK"], e["WORLD_SIZE"], e["MASTER_ADDR"]) for e in envs] == [
+            (str(r), "3", "127.0.0.1") for r in range(3)
+        ]
+        assert len({e["MASTER_PORT"] for e in envs}) == 1
+        assert list(trainers.train.call().get()) == [3.0] * 3  # its own default group: 0 + 1 + 2
+        with pytest.raises(monarch.RemoteError, match=r"handed over to torchrun-style code"):
+            monarch.remote(lambda g: g).on(mesh)(mesh.process_group("gpu"))
+    finally:
+        mesh.exit()
+    assert wait_gone(pids) == []

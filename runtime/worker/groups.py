@@ -25,6 +25,10 @@ from monarch.runtime.common import groups as shared
 
 current: Groups | None = None
 """This worker's groups (set at start)."""
+HANDED_OVER = (
+    "this mesh's process groups were handed over to torchrun-style code (monarch.spmd.setup_torch_elastic_env): "
+    "use the groups that code makes (torch.distributed's default group, init_device_mesh)"
+)
 
 
 class Groups:
@@ -43,6 +47,8 @@ class Groups:
         self.generation = 0
         """How many times the controller had the groups re-formed (`reform`)."""
         self._reforming = threading.Lock()
+        self.handed_over = False
+        """The default group was given up to code that makes its own (`setup_torch_elastic_env`)."""
         self._init(0)
         shared.resolver = self.resolve
 
@@ -68,6 +74,8 @@ class Groups:
         self.partitions[gid] = partition
         mine = None
         try:
+            if self.handed_over:
+                raise RuntimeError(HANDED_OVER)
             for ranks in partition:
                 group = dist.new_group(list(ranks))
                 if self.rank in ranks:
@@ -78,6 +86,8 @@ class Groups:
 
     def resolve(self, gid: int, dims: tuple[str, ...], mesh: str) -> Any:
         """The group a `ProcessGroupRef` names, on this worker; a RuntimeError saying why there is none."""
+        if self.handed_over:
+            raise RuntimeError(HANDED_OVER)
         if gid not in self.by_id:
             raise RuntimeError(
                 f"process group for dimensions {dims} of mesh {mesh} is unknown on this worker; "
@@ -190,9 +200,20 @@ class Groups:
         finally:
             self._reforming.release()
 
+    def hand_over(self) -> None:
+        """Give up the mesh's groups (the default one too): code written for torchrun makes its own from the
+        environment. The mesh's own groups (`mesh.process_group`, the tensor engine's) say so when used."""
+        self.destroy()
+        self.by_id = {}
+        self._stream_copies, self._pairs, self._links = {}, {}, {}
+        self.handed_over = True
+
     def reform(self, generation: int) -> None:
         """Make the mesh's groups again, after `release` here or on another worker (collectively: every
         worker calls this, in the same order). Groups user code made are not remade."""
+        if self.handed_over:  # (the user's groups were broken by the release: theirs to make again)
+            self.generation, self.broken = generation, False
+            return
         with self._reforming:
             self.destroy()
             self._init(generation)

@@ -1,0 +1,245 @@
+"""Actors side by side with torchmonarch (issue 28, item 5): the same actor program on both, in the same run.
+
+    python benchmarks/actors.py                 # or: ./run bench --actors
+    TORCHMONARCH_PYTHON=/work/.venvs/torchmonarch/bin/python python benchmarks/actors.py
+
+torchmonarch (Meta's Monarch, PyPI `torchmonarch==0.7.0`) lives in a venv of its own, its import name being
+`monarch` too; without TORCHMONARCH_PYTHON it is skipped (said so). Both sides run the same script
+(`from monarch.actor import Actor, endpoint, this_host`), 8 processes, each in a fresh process, in the order
+monarch, torchmonarch, torchmonarch, monarch; each figure is the mean of its two runs (`run.abba`):
+
+- spawn of 8 actors to the first answer: spawn_procs + spawn + the first call().get() (the library imported
+  before); then a second mesh's, in the same process;
+- call() to the 8 actors, round trip, and call_one() to one of them: medians of ROUND_TRIPS after warm-up;
+- broadcast(): BROADCASTS issued without replies, then one call().get() that checks every actor ran them all
+  (messages from one sender run in order): issued per second, and per second until that answer (median of 3);
+- the floor, in the same run, before and after the actors (mean): a raw pyzmq round trip between one process
+  and 8 forked processes over IPC (a ROUTER bound by the parent, a DEALER in each child; one small message to
+  each, each echoes it), median. Our call() is reported as a ratio to it (issue 28's target: 1.5x at most).
+
+Ratios: how much better monarch is (torchmonarch's time / monarch's, monarch's rate / torchmonarch's).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from run import ROUND_TRIPS, N, abba, header, measure, print_rows  # benchmarks/run.py, next to this file
+
+BROADCASTS = 5000
+BROADCAST_TARGET = 50_000
+"""Broadcasts issued per second, issue 28's target."""
+FLOOR_TARGET = 1.5
+"""Our call() to 8 actors at most this many times the raw pyzmq round trip (issue 28)."""
+
+ACTORS = textwrap.dedent(
+    """
+    import json, statistics, time
+    t0 = time.perf_counter()
+    from monarch.actor import Actor, endpoint, this_host
+    imported = time.perf_counter() - t0
+
+
+    class Noop(Actor):
+        def __init__(self):
+            self.n = 0
+
+        @endpoint
+        def noop(self):
+            return None
+
+        @endpoint
+        def count(self):
+            self.n += 1
+
+        @endpoint
+        def seen(self):
+            return self.n
+
+
+    def spawn():
+        t0 = time.perf_counter()
+        procs = this_host().spawn_procs(PER_HOST)
+        actors = procs.spawn("noop", Noop)
+        actors.noop.call().get()
+        return procs, actors, time.perf_counter() - t0
+
+
+    def round_trips(f):
+        for _ in range(50):
+            f()
+        ts = []
+        cpu = time.process_time()
+        for _ in range(ROUND_TRIPS):
+            t0 = time.perf_counter(); f(); ts.append(time.perf_counter() - t0)
+        return statistics.median(ts), (time.process_time() - cpu) / ROUND_TRIPS
+
+
+    procs, actors, first = spawn()
+    procs2, _, second = spawn()
+    STOP(procs2)
+
+    call, call_cpu = round_trips(lambda: actors.noop.call().get())
+    one = actors.slice(**{DIM: 0})
+    call_one, _ = round_trips(lambda: one.noop.call_one().get())
+
+    issued, total, expected = [], [], 0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(BROADCASTS):
+            actors.count.broadcast()
+        t1 = time.perf_counter()
+        seen = list(actors.seen.call().get().values())
+        t2 = time.perf_counter()
+        expected += BROADCASTS
+        assert seen == [expected] * N, f"broadcasts lost: actors saw {seen}, {expected} sent"
+        issued.append(BROADCASTS / (t1 - t0))
+        total.append(BROADCASTS / (t2 - t0))
+    out = {
+        "import": imported, "first": first, "second": second, "call": call, "call_cpu": call_cpu,
+        "call_one": call_one, "issued": statistics.median(issued), "total": statistics.median(total),
+    }
+    print(json.dumps(out), flush=True)
+    STOP(procs)
+    """
+)
+
+OURS = 'PER_HOST = {"gpu": N}\nDIM = "gpu"\nSTOP = lambda p: p.exit()\n'
+THEIRS = 'PER_HOST = {"gpus": N}\nDIM = "gpus"\nSTOP = lambda p: p.stop().get()\n'
+
+FLOOR = textwrap.dedent(
+    """
+    import json, os, signal, statistics, tempfile, time
+    import zmq
+
+    addr = "ipc://" + os.path.join(tempfile.mkdtemp(prefix="floor-"), "echo")
+    pids = []
+    for i in range(N):
+        pid = os.fork()
+        if pid == 0:  # the child: echo every message until told to stop
+            ctx = zmq.Context()
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.IDENTITY, b"w%d" % i)
+            s.connect(addr)
+            s.send(b"ready")
+            while (m := s.recv()) != b"exit":
+                s.send(m)
+            s.close(linger=0); ctx.term()
+            os._exit(0)
+        pids.append(pid)
+    ctx = zmq.Context()
+    r = ctx.socket(zmq.ROUTER)
+    r.bind(addr)
+    ids = [r.recv_multipart()[0] for _ in range(N)]
+
+
+    def round_trip():
+        for i in ids:
+            r.send_multipart([i, b"x"])
+        for _ in ids:
+            r.recv_multipart()
+
+
+    for _ in range(50):
+        round_trip()
+    ts = []
+    for _ in range(ROUND_TRIPS):
+        t0 = time.perf_counter(); round_trip(); ts.append(time.perf_counter() - t0)
+    for i in ids:
+        r.send_multipart([i, b"exit"])
+    for pid in pids:
+        os.waitpid(pid, 0)
+    print(json.dumps({"floor": statistics.median(ts)}), flush=True)
+    """
+)
+
+
+def side(python: str, prelude: str, env: dict | None = None) -> dict | None:
+    return measure(python, f"BROADCASTS = {BROADCASTS}\n{prelude}" + ACTORS, env)
+
+
+def their_env() -> dict:
+    """torchmonarch's environment: no PYTHONPATH (`run.py --before` puts this tree's `monarch` there)."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def run_all() -> dict:
+    floor1 = measure(sys.executable, FLOOR)
+    tm = os.environ.get("TORCHMONARCH_PYTHON")
+    if tm:
+        ours, theirs = abba(lambda: side(sys.executable, OURS), lambda: side(tm, THEIRS, their_env()))
+    else:
+        ours, theirs = side(sys.executable, OURS), None
+    floor2 = measure(sys.executable, FLOOR)
+    floors = [f["floor"] for f in (floor1, floor2) if f]
+    results = {"monarch": ours, "torchmonarch": theirs, "floor": sum(floors) / len(floors) if floors else None}
+    if tm:
+        results["torchmonarch_version"] = _version(tm)
+    return results
+
+
+def _version(python: str) -> str:
+    r = subprocess.run([python, "-m", "pip", "show", "torchmonarch"], capture_output=True, text=True, check=False)
+    return next((ln.split(":", 1)[1].strip() for ln in r.stdout.splitlines() if ln.startswith("Version:")), "?")
+
+
+def report(results: dict) -> None:
+    ours, theirs, floor = results["monarch"], results["torchmonarch"], results["floor"]
+    if ours is None:
+        print("actors: monarch's side failed (above)")
+        return
+    if "torchmonarch_version" in results:
+        print(f"torchmonarch {results['torchmonarch_version']} ({os.environ['TORCHMONARCH_PYTHON']})")
+        if theirs is None:
+            print("torchmonarch: failed (above); monarch alone")
+    else:
+        print("torchmonarch: skipped (set TORCHMONARCH_PYTHON to the python of a venv with torchmonarch installed)")
+    peers = {"monarch": ours} | ({"torchmonarch": theirs} if theirs else {})
+    rows = [
+        ("import of monarch.actor", "import", "s", 1),
+        (f"spawn of {N} actors to the first answer (spawn_procs + spawn + call().get())", "first", "s", 1),
+        (f"a second mesh of {N} actors, the same", "second", "s", 1),
+        (f"call() to {N} actors, round trip (median of {ROUND_TRIPS})", "call", "ms", 1e3),
+        ("  the caller's CPU per call() (all its threads)", "call_cpu", "ms", 1e3),
+        (f"call_one() to one actor, round trip (median of {ROUND_TRIPS})", "call_one", "ms", 1e3),
+    ]
+    print_rows(peers, rows)
+    for title, key in (
+        (f"broadcast()s to {N} actors issued per second ({BROADCASTS} in a row)", "issued"),
+        ("  and per second until one call() after them answers (all ran)", "total"),
+    ):
+        parts = [f"monarch {ours[key]:,.0f}/s"]
+        if theirs:
+            parts.append(f"torchmonarch {theirs[key]:,.0f}/s (ratio {ours[key] / theirs[key]:.1f}x)")
+        print(f"{title}: " + " | ".join(parts))
+    met = "met" if ours["issued"] >= BROADCAST_TARGET else "not met"
+    print(f"  target: {BROADCAST_TARGET:,} broadcasts issued per second: {met}")
+    if floor:
+        parts = [f"monarch {ours['call'] / floor:.2f}x"]
+        if theirs:
+            parts.append(f"torchmonarch {theirs['call'] / floor:.2f}x")
+        met = "met" if ours["call"] / floor <= FLOOR_TARGET else "not met"
+        print(
+            f"floor: raw pyzmq round trip to {N} forked processes over IPC (median, mean of 2 runs): {floor * 1e3:.3g} ms"
+        )
+        print(f"call() to {N} / floor: " + " | ".join(parts) + f"  (target <= {FLOOR_TARGET}x: {met})")
+    else:
+        print("floor: the raw pyzmq echo failed (above)")
+    print(
+        "not measured: actors calling actors (not supported here yet: an actor mesh cannot be sent to an actor); "
+        "2 fake hosts x 4 processes through host agents (not needed yet on our side)"
+    )
+
+
+def main() -> None:
+    header()
+    report(run_all())
+
+
+if __name__ == "__main__":
+    main()
