@@ -27,7 +27,7 @@ import subprocess
 import sys
 import textwrap
 
-from run import ROUND_TRIPS, N, abba, header, measure, print_rows  # benchmarks/run.py, next to this file
+from run import ROUND_TRIPS, N, abba, header, measure, peer_env, print_rows  # benchmarks/run.py, next to this file
 
 BROADCASTS = 5000
 BROADCAST_TARGET = 50_000
@@ -161,18 +161,11 @@ def side(python: str, prelude: str, env: dict | None = None) -> dict | None:
     return measure(python, f"BROADCASTS = {BROADCASTS}\n{prelude}" + ACTORS, env)
 
 
-def their_env() -> dict:
-    """torchmonarch's environment: no PYTHONPATH (`run.py --before` puts this tree's `monarch` there)."""
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
-    return env
-
-
 def run_all() -> dict:
     floor1 = measure(sys.executable, FLOOR)
     tm = os.environ.get("TORCHMONARCH_PYTHON")
     if tm:
-        ours, theirs = abba(lambda: side(sys.executable, OURS), lambda: side(tm, THEIRS, their_env()))
+        ours, theirs = abba(lambda: side(sys.executable, OURS), lambda: side(tm, THEIRS, peer_env()))
     else:
         ours, theirs = side(sys.executable, OURS), None
     floor2 = measure(sys.executable, FLOOR)

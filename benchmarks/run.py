@@ -157,6 +157,12 @@ def install_now() -> str:
     return site
 
 
+def peer_env() -> dict:
+    """The environment for a peer's own Python (torchmonarch's import name is also `monarch`): without the
+    PYTHONPATH that `install_now` / `before_env` put our trees on."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
 def measure(python: str, code: str, env: dict | None = None) -> dict | None:
     src = f"N = {N}\nROUND_TRIPS = {ROUND_TRIPS}\n" + code
     # run outside the checkout, so that `import monarch` means the installed package of that Python
@@ -244,7 +250,7 @@ def main() -> None:
     results["ipyparallel"] = measure(sys.executable, IPYPARALLEL)
     tm = os.environ.get("TORCHMONARCH_PYTHON")
     if tm:
-        results["torchmonarch"] = measure(tm, TORCHMONARCH)
+        results["torchmonarch"] = measure(tm, TORCHMONARCH, peer_env())
     ours = results["monarch"]
     assert ours is not None, "monarch benchmark failed"
     rows = [

@@ -42,7 +42,7 @@ import textwrap
 import time
 import uuid
 
-from run import header  # benchmarks/run.py, next to this file
+from run import header, peer_env  # benchmarks/run.py, next to this file
 
 WORKERS = 8
 OPS = 5000
@@ -232,7 +232,7 @@ def measure(ops: int = OPS, inspects: int = INSPECTS, reduces: int = REDUCES, be
     results["gloo"] = measure_gloo(reduces)
     tm = os.environ.get("TORCHMONARCH_PYTHON")
     if tm:
-        results["torchmonarch"] = _run_side(tm, _script(TORCHMONARCH_SPAWN, "", ops, inspects, reduces))
+        results["torchmonarch"] = _run_side(tm, _script(TORCHMONARCH_SPAWN, "", ops, inspects, reduces), env=peer_env())
     return results
 
 
