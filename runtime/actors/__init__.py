@@ -32,7 +32,6 @@ from typing import Any
 from monarch.runtime import mesh as _mesh
 from monarch.runtime.common.actors import Actor, endpoints_of
 from monarch.runtime.mesh import ProcMesh
-from monarch.runtime.remote import RemoteFunction
 from monarch.runtime.values import Future, ValueMesh
 
 WORKER = "monarch.runtime.worker.actors"
@@ -84,7 +83,7 @@ class ActorMesh:
     def stop(self) -> None:
         """Stop these actors (each process forgets its object); the processes keep running."""
         procs = self._procs
-        RemoteFunction.by_name(WORKER, "stop", procs).start((self._name,), {}, name=f"{self._name}.stop").result()
+        _worker_fn("stop", procs).start((self._name,), {}, name=f"{self._name}.stop").result()
         known = procs.spawned.actors
         if self._name in known:
             cls, ranks = known[self._name]
@@ -112,7 +111,7 @@ class ActorEndpoint:
 
     def _start(self, procs: ProcMesh, args: tuple, kwargs: dict) -> Future:
         a = self._actors
-        fn = RemoteFunction.by_name(WORKER, "invoke", procs)
+        fn = _worker_fn("invoke", procs)
         return fn.start((a._name, self._name, args, kwargs), {}, name=f"{a._name}.{self._name}")
 
     def call(self, *args: Any, **kwargs: Any) -> Future:
@@ -189,6 +188,14 @@ class OneFuture:
         return _only(await self._future)
 
 
+def _worker_fn(name: str, procs: ProcMesh) -> Any:
+    """The workers' `monarch.runtime.worker.actors.<name>`, as a live function on `procs` (imported here, not at
+    the top: `import monarch.actor` must not import zmq or torch)."""
+    from monarch.runtime.remote import RemoteFunction
+
+    return RemoteFunction.by_name(WORKER, name, procs)
+
+
 def _only(values: ValueMesh) -> Any:
     (value,) = values.values()
     return value
@@ -218,9 +225,7 @@ def spawn(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs: dict) -> A
         raise ValueError(f"spawn(name={name!r}, ...): give the actors a name (a non-empty string)")
     if not (isinstance(cls, type) and issubclass(cls, Actor)):
         raise TypeError(f"spawn({name!r}, {cls!r}): the class must subclass monarch.actor.Actor")
-    RemoteFunction.by_name(WORKER, "spawn", procs).start(
-        (name, cls, args, kwargs), {}, name=f"{name}.__init__"
-    ).result()
+    _worker_fn("spawn", procs).start((name, cls, args, kwargs), {}, name=f"{name}.__init__").result()
     known = procs.spawned.actors
     _, ranks = known.get(name, ("", frozenset()))
     known[name] = (cls.__name__, ranks | frozenset(procs._shape.ranks))

@@ -16,13 +16,14 @@ from typing import Any
 
 from monarch.runtime.actors import ActorMesh, _point
 from monarch.runtime.mesh import ProcMesh
-from monarch.runtime.remote import RemoteFunction
 
 WORKER = "monarch.runtime.worker.spmd"
 
 
 def setup_torch_elastic_env(mesh: ProcMesh | ActorMesh, master_port: int | None = None) -> list[dict[str, Any]]:
     """Give every process of `mesh` torchrun's environment (see the module); returns what each one got."""
+    from monarch.runtime.remote import RemoteFunction
+
     procs = mesh.procs if isinstance(mesh, ActorMesh) else mesh
     if not isinstance(procs, ProcMesh):
         raise TypeError(f"setup_torch_elastic_env() needs a ProcMesh or an actor mesh, got {type(mesh).__name__}")
