@@ -5,14 +5,14 @@ and the errors a user meets: grouped remote tracebacks, a constructor that fails
 from __future__ import annotations
 
 import asyncio
-import time
+import os
 
 import pytest
 
 import monarch
 from monarch.actor import Actor, context, current_rank, endpoint, this_host
 
-from conftest import wait_gone, worker_pids
+from conftest import started, wait_for, wait_gone, worker_pids
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,14 +50,12 @@ class Counter(Actor):
         return self.n
 
     @endpoint
-    def nap(self, seconds: float) -> int:
-        time.sleep(seconds)
-        return self.me["gpu"]
-
-    @endpoint
-    def nap_if(self, gpu: int, seconds: float) -> int:
-        if self.me["gpu"] == gpu:
-            time.sleep(seconds)
+    def hold(self, gate: str, gpu: int | None = None) -> int:
+        """On gpu `gpu` (every actor when None): say it started (`<gate>.<rank>`), then wait for the test to
+        create `<gate>.open`."""
+        if gpu is None or self.me["gpu"] == gpu:
+            open(f"{gate}.{self.me['gpu']}", "w").close()  # (as conftest.say_started, by the actor's own rank)
+            wait_for(lambda: os.path.exists(gate + ".open"), what=f"{gate}.open")
         return self.me["gpu"]
 
     def not_an_endpoint(self) -> None:
@@ -112,19 +110,23 @@ def test_async_endpoints_and_awaiting_futures(procs):
     assert list(mesh_value) == [2] * 4 and one == 10
 
 
-def test_stream_yields_each_value_as_it_arrives(procs):
+def test_stream_yields_each_value_as_it_arrives(procs, tmp_path):
     c = procs.spawn("stream", Counter, 0)
-    assert sorted(c.nap.stream(0.0)) == [0, 1, 2, 3]
-    t0 = time.monotonic()
-    it = c.nap_if.stream(2, 1.0)  # gpu=2 naps a second; the others answer at once
-    first = [next(it) for _ in range(3)]
-    assert time.monotonic() - t0 < 0.9, "the quick answers waited for the slow one"
-    assert sorted(first) == [0, 1, 3] and list(it) == [2]
+    assert sorted(c.incr.stream(0)) == [0, 0, 0, 0]
+    gate = str(tmp_path / "gate")
+    it = c.hold.stream(gate, 2)  # gpu=2 holds until the gate opens; the others answer at once
+    first = [next(it) for _ in range(3)]  # (would wait forever if stream waited for every answer)
+    assert sorted(first) == [0, 1, 3] and started(gate, 1)
+    open(gate + ".open", "w").close()
+    assert list(it) == [2]
 
 
-def test_choose_spreads_calls_over_the_actors(procs):
+def test_choose_spreads_calls_over_the_actors(procs, tmp_path):
     c = procs.spawn("choose", Counter, 0)
-    futures = [c.nap.choose(0.3) for _ in range(4)]  # four at once: one each
+    gate = str(tmp_path / "gate")
+    futures = [c.hold.choose(gate) for _ in range(4)]  # four in flight at once: one each
+    wait_for(lambda: started(gate, 4), what="the four calls on four actors")
+    open(gate + ".open", "w").close()
     assert sorted(f.get() for f in futures) == [0, 1, 2, 3]
     assert c.incr.choose(1).get() == 1
 
@@ -147,9 +149,7 @@ def test_a_failed_broadcast_goes_to_the_unhandled_fault_hook(procs, monkeypatch)
     monkeypatch.setattr(actors, "unhandled_fault_hook", lambda error, what: seen.append((what, str(error))))
     c = procs.spawn("hooked", Counter, 0)
     c.fail_on.broadcast(1)
-    deadline = time.monotonic() + 10
-    while not seen and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: seen, what="the broadcast's failure reaching the hook")
     assert seen and seen[0][0] == "hooked.fail_on" and "no counting on gpu 1" in seen[0][1]
 
 
@@ -184,20 +184,17 @@ def test_stopped_actors_are_gone_from_their_processes(procs):
     procs.spawn("stopping", Counter, 0)  # the name is free again
 
 
-def test_a_process_that_dies_under_an_actor_mesh_fails_its_calls_naming_the_rank():
-    import os
-
+def test_a_process_that_dies_under_an_actor_mesh_fails_its_calls_naming_the_rank(tmp_path):
     mesh = this_host().spawn_procs({"gpu": 2})
     pids = worker_pids(mesh)
     try:
         c = mesh.spawn("dying", Counter, 0)
-        f = c.slice(gpu=1).nap.call_one(30)
-        time.sleep(0.3)
+        gate = str(tmp_path / "gate")
+        f = c.slice(gpu=1).hold.call_one(gate)  # (never opened)
+        wait_for(lambda: started(gate, 1), what="the call on gpu=1")
         os.kill(pids[1], 9)
-        t0 = time.monotonic()
         with pytest.raises(monarch.WorkerDiedError, match=r"rank 1 \(gpu=1\)"):
             f.get(timeout=10)
-        assert time.monotonic() - t0 < 3
     finally:
         mesh.exit()
     assert wait_gone(pids) == []
