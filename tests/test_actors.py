@@ -172,8 +172,8 @@ def test_bad_spawns_and_calls_say_what_is_wrong(procs):
         c.incr.call_one()
     with pytest.raises(TypeError, match=r"call an endpoint with an adverb"):
         c.incr()
-    with pytest.raises(TypeError, match=r"cannot be sent to workers yet"):
-        monarch.remote(lambda m: 1).on(procs)(c)
+    # sent to a live function, an actor mesh is a reference the function can call (test_actor_refs.py)
+    assert sorted(monarch.remote(lambda m: m.slice(gpu=0).incr.call_one(5).get()).on(procs)(c)) == [5, 10, 15, 20]
 
 
 def test_stopped_actors_are_gone_from_their_processes(procs):

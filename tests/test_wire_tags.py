@@ -17,7 +17,7 @@ TAGS = {
     "BorrowStart": 33, "BorrowEnd": 34, "ProfileStart": 35, "ProfileStep": 36, "ProfileMark": 37,
     "AgentHello": 38, "AgentInfo": 39, "StartWorkers": 40, "SignalWorkers": 41, "StopWorkers": 42,
     "WorkersStopped": 43, "WorkerLost": 44, "SyncOffer": 45, "SyncWant": 46, "SyncFiles": 47, "Synced": 48,
-    "Stacks": 49, "Goodbye": 50,
+    "Stacks": 49, "Goodbye": 50, "ActorSend": 51, "ActorAnswer": 52,
 }  # fmt: skip
 """Every message's wire tag. A new message takes a new number; an existing one never changes."""
 

@@ -33,16 +33,20 @@ from monarch.runtime import mesh as _mesh
 from monarch.runtime.common.actors import Actor, endpoints_of
 from monarch.runtime.mesh import ProcMesh
 from monarch.runtime.values import Future, ValueMesh
+from monarch.runtime.wire import codec
 
 WORKER = "monarch.runtime.worker.actors"
+REF = "monarch.runtime.worker.actor_ref"
 
 
 class ActorMesh:
     """The actors named `name` on the processes of a proc mesh view; slices like one. Get an endpoint as an
     attribute (`actors.step`) and call it with an adverb: `call`, `call_one`, `broadcast`, `choose`, `stream`."""
 
-    def __init__(self, procs: ProcMesh, name: str, cls: type, endpoints: list[str]):
+    def __init__(self, procs: ProcMesh, name: str, cls: type, endpoints: list[str], inboxes: dict[int, Any]):
         self._procs, self._name, self._cls, self._endpoints = procs, name, cls, endpoints
+        self._inboxes = inboxes
+        """Global rank -> its process's inbox (`wire.actor_end.InboxAddress`), for references sent to actors."""
         self._lock = threading.Lock()
         self._in_flight: dict[int, int] = {}
         """Per point of this view (its index), `choose` calls not answered yet."""
@@ -68,7 +72,7 @@ class ActorMesh:
 
     def slice(self, **index: int | range | slice) -> ActorMesh:
         """The actors of a slice of the mesh, as `ProcMesh.slice` takes it (`slice(gpu=0)`, `slice(**point)`)."""
-        return ActorMesh(self._procs.slice(**index), self._name, self._cls, self._endpoints)
+        return ActorMesh(self._procs.slice(**index), self._name, self._cls, self._endpoints, self._inboxes)
 
     def __getattr__(self, attr: str) -> ActorEndpoint:
         if attr.startswith("__") or attr not in self.__dict__.get("_endpoints", ()):
@@ -93,11 +97,14 @@ class ActorMesh:
             else:
                 del known[self._name]
 
-    def __reduce__(self):
-        raise TypeError(
-            f"actor mesh {self._name!r} cannot be sent to workers yet: actors calling actors is not supported in "
-            "this version (call it from the notebook or script)"
-        )
+    def __reduce__(self) -> Any:
+        """Sent to a worker (an actor's constructor or endpoint argument), an actor mesh becomes a reference
+        whose messages go straight to these actors' processes (`worker/actor_ref.py`, named here as data:
+        controller code never imports worker code)."""
+        shape = self._procs._shape
+        inboxes = {rank: self._inboxes[rank] for rank in shape.ranks}
+        args = (self._name, self._cls.__name__, self._endpoints, shape, inboxes)
+        return codec.call_function, (REF, "reference", *args)
 
     def __repr__(self) -> str:
         return f"<ActorMesh {self._name!r} of {self._cls.__name__} on {self._procs.describe()}>"
@@ -225,11 +232,11 @@ def spawn(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs: dict) -> A
         raise ValueError(f"spawn(name={name!r}, ...): give the actors a name (a non-empty string)")
     if not (isinstance(cls, type) and issubclass(cls, Actor)):
         raise TypeError(f"spawn({name!r}, {cls!r}): the class must subclass monarch.actor.Actor")
-    _worker_fn("spawn", procs).start((name, cls, args, kwargs), {}, name=f"{name}.__init__").result()
+    inboxes = _worker_fn("spawn", procs).start((name, cls, args, kwargs), {}, name=f"{name}.__init__").result()
     known = procs.spawned.actors
     _, ranks = known.get(name, ("", frozenset()))
     known[name] = (cls.__name__, ranks | frozenset(procs._shape.ranks))
-    return ActorMesh(procs, name, cls, endpoints_of(cls))
+    return ActorMesh(procs, name, cls, endpoints_of(cls), dict(zip(procs._shape.ranks, inboxes, strict=True)))
 
 
 _mesh.ACTORS = spawn

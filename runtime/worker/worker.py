@@ -67,6 +67,8 @@ class Worker:
         self._input_ids = itertools.count(1)
         self.in_debugger = False
         """True while a pdb prompt on this worker is reading commands."""
+        self.side_poll: Any = None
+        """Once this process runs actors: waits for the next command while serving their inbox (`actors.py`)."""
         with open(cfg.interrupt_path, "rb") as f:
             self.targets = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self.released: tuple[str, str] | None = None
@@ -134,6 +136,8 @@ class Worker:
                 env = self.backlog.popleft()
             else:
                 try:
+                    if self.side_poll is not None:
+                        self.side_poll(self.transport.cmd)
                     env = self.transport.recv()
                 except KeyboardInterrupt:
                     continue
@@ -263,7 +267,7 @@ class Worker:
             finally:
                 self.in_user_code = False
         except BaseException as e:
-            ok, value = False, _describe(e)
+            ok, value = False, describe(e)
             if self.released is None and isinstance(e, Exception):
                 self.control.claim_release(call_id, e)
             if self.released is not None:  # its collective raised because we shut its connections down
@@ -275,7 +279,7 @@ class Worker:
             try:
                 body = codec.dumps(value)
             except Exception as e:
-                ok, value = False, _describe(e, f"the result ({type(value).__name__}) cannot be pickled: ")
+                ok, value = False, describe(e, f"the result ({type(value).__name__}) cannot be pickled: ")
         _log.debug("call %d done (%s)", call_id, "ok" if ok else "failed")
         self.output.flush()
         self._send(protocol.Reply(call_id, ok), body if ok else codec.dumps(value))
@@ -287,11 +291,11 @@ _NONE = codec.dumps(None)
 RELEASED = protocol.RELEASED
 
 _HERE = os.path.dirname(__file__)
-_PLUMBING = {__file__, *(os.path.join(_HERE, f) for f in ("cells.py", "stdin.py", "actors.py"))}
+_PLUMBING = {__file__, *(os.path.join(_HERE, f) for f in ("cells.py", "stdin.py", "actors.py", "actor_ref.py"))}
 """Our frames at the top of a worker traceback; left out so the user's code comes first."""
 
 
-def _describe(e: BaseException, prefix: str = "") -> protocol.ErrorInfo:
+def describe(e: BaseException, prefix: str = "") -> protocol.ErrorInfo:
     """`e` as the controller shows it, our own frames (worker plumbing) left out."""
     if type(e).__name__ == "PoisonedValueError":  # its message holds the traceback that matters
         return protocol.ErrorInfo(type(e).__qualname__, prefix + str(e), "")

@@ -6,12 +6,14 @@
 - `lifecycle`: a worker's start and end;
 - `store`: the rendezvous store;
 - `control`: control requests (signals) and their `Stacks` answer;
-- `agent`: a controller's link to a host agent.
+- `agent`: a controller's link to a host agent;
+- `actors`: actors calling actors, worker to worker.
 
 Import this package (``from monarch.runtime.wire import protocol``): it registers them all. Each
 message's wire tag is written next to it (`message(tag)`).
 """
 
+from monarch.runtime.wire.protocol.actors import ActorAnswer, ActorSend
 from monarch.runtime.wire.protocol.agent import (
     LINK,
     AgentHello,
@@ -80,6 +82,8 @@ handle gets an error `Reply`, never silence (`tests/test_wire_tags.py`)."""
 
 __all__ = [
     "TO_WORKERS",
+    "ActorAnswer",
+    "ActorSend",
     "AgentHello",
     "AgentInfo",
     "Alias",

@@ -1,0 +1,34 @@
+"""Actors calling actors: worker -> worker, straight to the receiving worker's inbox (`wire/actor_end.py`),
+never through the controller. A message (`ActorSend`) runs one endpoint; a call is answered (`ActorAnswer`)
+on the same connection."""
+
+from __future__ import annotations
+
+from monarch.runtime.wire.protocol.base import message
+
+__all__ = ["ActorAnswer", "ActorSend"]
+
+
+@message(51)
+class ActorSend:
+    """Run endpoint `endpoint` of the receiver's actor `actor`; the body holds ``(args, kwargs)``."""
+
+    call_id: int
+    """The sender's number for the answer; 0: none wanted (a broadcast)."""
+    actor: str
+    endpoint: str
+    names: tuple[str, ...]
+    """The dimension names of the actor mesh view the message was sent to (`context().message_rank`)."""
+    sizes: tuple[int, ...]
+    ranks: tuple[int, ...]
+    """The view's ranks in the receivers' mesh, row-major."""
+    origin: int | None
+    """The controller's call the sender was serving (the receiver's output goes to that call's areas)."""
+
+
+@message(52)
+class ActorAnswer:
+    """An `ActorSend`'s result (`ok`) or its `ErrorInfo`; the body holds it."""
+
+    call_id: int
+    ok: bool
