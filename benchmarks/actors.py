@@ -11,6 +11,8 @@ monarch, torchmonarch, torchmonarch, monarch; each figure is the mean of its two
 - spawn of 8 actors to the first answer: spawn_procs + spawn + the first call().get() (the library imported
   before); then a second mesh's, in the same process;
 - call() to the 8 actors, round trip, and call_one() to one of them: medians of ROUND_TRIPS after warm-up;
+- an actor's call_one() to an actor of another process (an actor mesh passed to its constructor), timed
+  inside the calling actor: median of ROUND_TRIPS;
 - broadcast(): BROADCASTS issued without replies, then one call().get() that checks every actor ran them all
   (messages from one sender run in order): issued per second, and per second until that answer (median of 3);
 - the floor, in the same run, before and after the actors (mean): a raw pyzmq round trip between one process
@@ -60,6 +62,21 @@ ACTORS = textwrap.dedent(
             return self.n
 
 
+    class Caller(Actor):  # holds a reference to the Noop actors (its constructor's argument), times calls to one
+
+        def __init__(self, others):
+            self.other = others.slice(**{DIM: 1})
+
+        @endpoint
+        def ping(self, n):
+            for _ in range(50):
+                self.other.noop.call_one().get()
+            ts = []
+            for _ in range(n):
+                t0 = time.perf_counter(); self.other.noop.call_one().get(); ts.append(time.perf_counter() - t0)
+            return statistics.median(ts)
+
+
     def spawn():
         t0 = time.perf_counter()
         procs = this_host().spawn_procs(PER_HOST)
@@ -85,6 +102,8 @@ ACTORS = textwrap.dedent(
     call, call_cpu = round_trips(lambda: actors.noop.call().get())
     one = actors.slice(**{DIM: 0})
     call_one, _ = round_trips(lambda: one.noop.call_one().get())
+    callers = procs.spawn("callers", Caller, actors)
+    a2a = callers.slice(**{DIM: 0}).ping.call_one(ROUND_TRIPS).get()
 
     issued, total, expected = [], [], 0
     for _ in range(3):
@@ -100,7 +119,7 @@ ACTORS = textwrap.dedent(
         total.append(BROADCASTS / (t2 - t0))
     out = {
         "import": imported, "first": first, "second": second, "call": call, "call_cpu": call_cpu,
-        "call_one": call_one, "issued": statistics.median(issued), "total": statistics.median(total),
+        "call_one": call_one, "a2a": a2a, "issued": statistics.median(issued), "total": statistics.median(total),
     }
     print(json.dumps(out), flush=True)
     STOP(procs)
@@ -200,6 +219,7 @@ def report(results: dict) -> None:
         (f"call() to {N} actors, round trip (median of {ROUND_TRIPS})", "call", "ms", 1e3),
         ("  the caller's CPU per call() (all its threads)", "call_cpu", "ms", 1e3),
         (f"call_one() to one actor, round trip (median of {ROUND_TRIPS})", "call_one", "ms", 1e3),
+        ("an actor's call_one() to an actor in another process, timed inside the caller", "a2a", "ms", 1e3),
     ]
     print_rows(peers, rows)
     for title, key in (
@@ -223,10 +243,6 @@ def report(results: dict) -> None:
         print(f"call() to {N} / floor: " + " | ".join(parts) + f"  (target <= {FLOOR_TARGET}x: {met})")
     else:
         print("floor: the raw pyzmq echo failed (above)")
-    print(
-        "not measured: actors calling actors (not supported here yet: an actor mesh cannot be sent to an actor); "
-        "2 fake hosts x 4 processes through host agents (not needed yet on our side)"
-    )
 
 
 def main() -> None:

@@ -66,6 +66,11 @@ class Job:
     def hosts(self) -> int:
         return int(self.meta["hosts"])
 
+    @property
+    def extent(self) -> dict[str, int]:
+        """The job's shape as a host mesh: ``{"host": N}`` (Monarch's `HostMesh.extent`)."""
+        return {"host": self.hosts}
+
     def state(self) -> slurm.JobState:
         return slurm.state(self.meta["slurm_id"])
 
