@@ -16,7 +16,7 @@ def in_kernel(ip: Any) -> bool:
 def register_formatters(ip: Any) -> None:
     """ValueMesh, MeshTable and ProcMesh display as widgets (with static HTML inside)."""
     fmt = ip.display_formatter.mimebundle_formatter
-    fmt.for_type_by_name("monarch.runtime.values", "ValueMesh", _value_mesh_bundle)
+    fmt.for_type_by_name("monarch.runtime.common.valuemesh", "ValueMesh", _value_mesh_bundle)
     fmt.for_type_by_name("monarch.runtime.mesh", "MeshTable", _mesh_table_bundle)
 
 

@@ -454,6 +454,9 @@ def load(ip) -> None:
             magics.stdin.cell_done()
 
     ip.events.register("post_run_cell", cell_done)
+    from monarch.extension import supervision
+
+    supervision.install(ip)  # (unhandled actor mesh failures shown in their cell)
 
 
 def unload(ip) -> None:

@@ -1,4 +1,6 @@
 """Meshes of worker processes and the actors on them: `from monarch.actor import this_host, Actor, endpoint`.
+`this_proc()` is this process itself (its actors run on threads here); `MeshFailure` and
+`unhandled_fault_hook` are supervision (assign `monarch.actor.unhandled_fault_hook = my_hook` to take over).
 
 class Trainer(Actor):
     @endpoint
@@ -10,14 +12,18 @@ trainers = procs.spawn("trainer", Trainer)
 trainers.step.call().get()          # a ValueMesh, one value per actor
 """
 
-from monarch.runtime.actors import ActorEndpoint, ActorMesh, OneFuture, unhandled_fault_hook
-from monarch.runtime.common.actors import Actor, Context, context, endpoint
+from monarch.runtime.actors import ActorEndpoint, ActorMesh, MeshFailure, OneFuture, unhandled_fault_hook
+from monarch.runtime.actors.local import LocalProc, context, this_proc
+from monarch.runtime.common.actors import Actor, Context, endpoint
 from monarch.runtime.common.context import current_rank, current_size
-from monarch.runtime.mesh import HostMesh, MeshTable, ProcMesh, this_host
+from monarch.runtime.mesh import Extent, HostMesh, MeshTable, ProcMesh, this_host
 from monarch.runtime.values import Future, ValueMesh
 
 __all__ = [
     "this_host",
+    "this_proc",
+    "LocalProc",
+    "Extent",
     "HostMesh",
     "ProcMesh",
     "MeshTable",
@@ -33,4 +39,5 @@ __all__ = [
     "OneFuture",
     "ValueMesh",
     "unhandled_fault_hook",
+    "MeshFailure",
 ]

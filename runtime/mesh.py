@@ -47,6 +47,27 @@ def mesh_to_act_on(what: str, mesh: Any, missing: str) -> ProcMesh | None:
     return found
 
 
+class Extent(dict[str, int]):
+    """A mesh's dimensions and their sizes (`mesh.extent`): a dict, ``{'gpus': 8}``, with Monarch's names for
+    its parts (`labels`, `sizes`, `nelem`)."""
+
+    @property
+    def labels(self) -> list[str]:
+        return list(self)
+
+    @property
+    def sizes(self) -> list[int]:
+        return list(self.values())
+
+    @property
+    def nelem(self) -> int:
+        """The number of points (processes, actors)."""
+        n = 1
+        for size in self.values():
+            n *= size
+        return n
+
+
 class HostMesh:
     """The machines a mesh can be spawned on. `this_host()` is the machine running the controller."""
 
@@ -100,6 +121,11 @@ class ProcMesh:
     def sizes(self) -> dict[str, int]:
         """`{dimension: size}` in order, e.g. ``{"host": 2, "gpu": 4}``."""
         return self._shape.size_dict
+
+    @property
+    def extent(self) -> Extent:
+        """The view's dimensions and sizes, as Monarch prints them: ``{'host': 2, 'gpu': 4}``."""
+        return Extent(self._shape.size_dict)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -160,7 +186,7 @@ class ProcMesh:
 
     # -- workers -----------------------------------------------------------------------------------
     def _check(self) -> None:
-        self._spawned.check_usable()
+        self._spawned.check_usable(self._shape.ranks)
 
     def process_group(self, dims: str | tuple[str, ...]) -> ProcessGroupRef:
         """The torch.distributed group over mesh dimension(s) `dims` of this view.
@@ -209,6 +235,21 @@ class ProcMesh:
         self._check()
         return ACTORS(self, name, cls, args, kwargs)
 
+    def logging_option(
+        self, stream_to_client: bool = True, aggregate_window_sec: float | None = None, **unknown: Any
+    ) -> Any:
+        """Where the workers' output goes (of the whole spawned mesh: every view shares its workers), applied at
+        once; returns an awaitable, so Monarch's ``await procs.logging_option(...)`` and
+        ``asyncio.run(procs.logging_option(...))`` work, and so does a plain call.
+
+        `stream_to_client`: True (the default), the output is shown here (a script's stdout and stderr, a
+        cell's per-rank areas); False, it goes to a file instead, whose path is said once. `aggregate_window_sec`:
+        None or 0 (the default), every line as it comes; N, lines are held up to N seconds (and until the call
+        ends), and the same line from several ranks is shown once, ``[8 similar lines, ranks 0-7] loss 2.31``."""
+        from monarch.runtime.controller.aggregate import configure  # (here: `import monarch` must not import zmq)
+
+        return configure(self._spawned, stream_to_client, aggregate_window_sec, unknown)
+
     def sync_workspace(self) -> dict[str, list[str]]:
         """For a mesh on a job reserved with a workspace: copy the workspace to the hosts again (only
         changed files travel) and reload, on this view's workers, the modules whose files changed."""
@@ -245,7 +286,7 @@ class ProcMesh:
         out = []
         for r in self._shape.ranks:
             if sp.state in ("running", "starting"):
-                out.append("busy" if r in busy else "idle")
+                out.append("failed" if r in sp.lost else "busy" if r in busy else "idle")
             elif sp.state == "failed":
                 out.append("failed" if sp.failure is not None and sp.failure.rank == r else "stopped")
             else:

@@ -61,6 +61,14 @@ class Counter(Actor):
     def not_an_endpoint(self) -> None:
         pass
 
+    @endpoint
+    def record(self, value: object) -> None:
+        self.log.append(value)
+
+    @endpoint
+    def recorded(self) -> list:
+        return self.log
+
 
 @pytest.fixture(scope="module")
 def procs():
@@ -142,15 +150,58 @@ def test_an_endpoint_error_comes_back_grouped_with_its_rank_and_the_actors_keep_
     assert list(c.fail_on.call(9).get()) == [7] * 4  # the same actors answer again
 
 
+def test_broadcasts_interleaved_with_calls_and_slices_keep_their_order(procs):
+    """Broadcasts travel in batches (`controller/casts.py`); a call, a broadcast to another slice, or another
+    mesh's message sends the batch first, so each actor still runs what it was sent in the order sent."""
+    c = procs.spawn("batched", Counter, 0)
+    for b in range(300):  # more than one batch
+        c.incr.broadcast(b)
+    c.slice(gpu=slice(0, 2)).incr.broadcast(1000)  # another slice: the queue goes first
+    f = c.incr.call(2000)  # a call: every queued broadcast goes first
+    c.incr.broadcast(3000)
+    f.get()
+    history = list(c.history.call().get())
+    assert history[0] == history[1] == [*range(300), 1000, 2000, 3000]
+    assert history[2] == history[3] == [*range(300), 2000, 3000]
+
+
+def test_a_lone_broadcast_is_delivered_with_nothing_sent_after_it(procs, tmp_path):
+    c = procs.spawn("lone", Counter, 0)
+    gate = str(tmp_path / "gate")
+    open(gate + ".open", "w").close()  # (hold() returns at once: it only says it started)
+    c.slice(gpu=2).hold.broadcast(gate, 2)
+    wait_for(lambda: os.path.exists(gate + ".2"), what="the broadcast running with nothing sent after it")
+
+
+def test_a_broadcasts_arguments_are_taken_when_it_is_made(procs):
+    c = procs.spawn("taken", Counter, 0)
+    payload = [1, 2, 3]
+    c.record.broadcast(payload)
+    payload.append(4)  # after the broadcast: not what the actors get
+    assert list(c.recorded.call().get()) == [[[1, 2, 3]]] * 4
+
+
+def test_broadcasts_made_just_before_the_mesh_exits_still_run(tmp_path):
+    mesh = this_host().spawn_procs({"gpu": 2})
+    pids = worker_pids(mesh)
+    c = mesh.spawn("last", Counter, 0)
+    gate = str(tmp_path / "last")
+    open(gate + ".open", "w").close()
+    c.hold.broadcast(gate)
+    mesh.exit()
+    assert wait_gone(pids) == []
+    assert os.path.exists(gate + ".0") and os.path.exists(gate + ".1")
+
+
 def test_a_failed_broadcast_goes_to_the_unhandled_fault_hook(procs, monkeypatch):
-    import monarch.runtime.actors as actors
+    import monarch.actor
 
     seen = []
-    monkeypatch.setattr(actors, "unhandled_fault_hook", lambda error, what: seen.append((what, str(error))))
+    monkeypatch.setattr(monarch.actor, "unhandled_fault_hook", lambda failure: seen.append(failure))
     c = procs.spawn("hooked", Counter, 0)
     c.fail_on.broadcast(1)
     wait_for(lambda: seen, what="the broadcast's failure reaching the hook")
-    assert seen and seen[0][0] == "hooked.fail_on" and "no counting on gpu 1" in seen[0][1]
+    assert seen[0].mesh_name == "hooked" and "fail_on" in seen[0].what and "no counting on gpu 1" in str(seen[0])
 
 
 def test_bad_spawns_and_calls_say_what_is_wrong(procs):

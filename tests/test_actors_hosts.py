@@ -6,6 +6,9 @@ from `monarch.notebook.reserve`)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import zmq
@@ -13,7 +16,7 @@ import zmq
 import monarch.notebook
 from monarch.actor import Actor, context, endpoint
 
-from conftest import wait_gone, worker_pids
+from conftest import REPO, wait_gone, worker_pids
 from helpers.slurm_cluster import missing, running
 
 WHY = missing()
@@ -39,6 +42,31 @@ def procs(job):
     yield mesh
     mesh.exit()
     assert wait_gone(pids) == []
+
+
+def test_monarchs_getting_started_runs_as_its_users_write_it(job, tmp_path):
+    """examples/actors/getting_started.py: the guide's actor sections, the host mesh being the job's two hosts.
+    First in this module: the script's controller attaches to the job's agents, which serve one at a time."""
+    from test_notebooks import _monarch_procs
+
+    env = dict(os.environ, MONARCH_HOSTS="actors", PYTHONPATH=REPO)
+    cmd = [sys.executable, "-m", "examples.actors.getting_started"]
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    out = run.stdout
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "Counter value: 0" in out
+    assert "values: [2, 2, 2, 2, 1, 1, 1, 1]" in out  # the broadcasts ran, in the order sent, before the call
+    assert "hosts: {'host': 2}" in out
+    assert "Process mesh extent: {'host': 2, 'gpus': 4}" in out
+    for h in range(2):
+        for g in range(4):
+            assert f"Trainer {{'host': {h}, 'gpus': {g}}} taking a step." in out, out
+    assert out.count("'Step with data <fake data 1> and input = None'") == 8, out  # each trainer's own loader
+    assert "It didn't say hello" in out and out.rstrip().endswith("done"), out
+    deadline = time.monotonic() + 10
+    while _monarch_procs(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _monarch_procs(str(tmp_path)) == set()  # its workers went with it
 
 
 class Where(Actor):

@@ -447,7 +447,29 @@ def _check_profiling(nb) -> None:
     assert "<svg" in memory["text/html"] and "<script" not in memory["text/html"]
 
 
+def _check_actors(nb) -> None:
+    """notebooks/actors.ipynb: the trainers learn through their loaders and the parameter server (actors calling
+    actors), each endpoint's print lands under its rank, and the supervisor handles a SIGKILL while the rest of
+    its mesh keeps answering."""
+    table = _text(_cell(nb, "loaders = procs.spawn"))
+    assert table.count("loaders (DataLoader), trainers (Trainer)") == 4, table
+    trained = _text(_cell(nb, "losses = []"))
+    first, last = (float(x) for x in re.search(r"first step (\S+), last step (\S+)\n", trained).groups())
+    assert last < first / 100, trained
+    assert "server: 240 updates" in trained and "batches served per loader: [60, 60, 60, 60]" in trained, trained
+    report = _text(_cell(nb, "trainers.report.call"))
+    for g in range(4):
+        assert f"[gpu={g}] trainer {g}: step 60, loss" in report, report
+    assert "streamed: [" in report and "chosen: " in report, report
+    supervised = _text(_cell(nb, "os.kill(pids[1], signal.SIGKILL)"))
+    assert (
+        "supervisor saw: [\"actor mesh 'workers' (Worker) on {gpu: 2}: rank 1 (gpu=1) killed by SIGKILL" in supervised
+    )
+    assert "gpu 0 still answers: {'gpu': 0}" in supervised, supervised
+
+
 OUTPUT_CHECKS = {
+    "actors.ipynb": _check_actors,
     "getting_started.ipynb": _check_getting_started,
     "distributed_tensors.ipynb": _check_distributed_tensors,
     "slurm.ipynb": _check_slurm,

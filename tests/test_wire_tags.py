@@ -17,7 +17,8 @@ TAGS = {
     "BorrowStart": 33, "BorrowEnd": 34, "ProfileStart": 35, "ProfileStep": 36, "ProfileMark": 37,
     "AgentHello": 38, "AgentInfo": 39, "StartWorkers": 40, "SignalWorkers": 41, "StopWorkers": 42,
     "WorkersStopped": 43, "WorkerLost": 44, "SyncOffer": 45, "SyncWant": 46, "SyncFiles": 47, "Synced": 48,
-    "Stacks": 49, "Goodbye": 50, "ActorSend": 51, "ActorAnswer": 52,
+    "Stacks": 49, "Goodbye": 50, "ActorSend": 51, "ActorAnswer": 52, "Cast": 53,
+    "CastFailed": 54,
 }  # fmt: skip
 """Every message's wire tag. A new message takes a new number; an existing one never changes."""
 
@@ -70,7 +71,7 @@ def test_a_worker_answers_a_request_it_has_no_handler_for_with_an_error():
             assert env.message.ok is False
             info = codec.loads(env.body, env.buffers)
             assert info.exc_type == "TypeError"
-            assert "no handler for Busy on a worker (it handles Call, MakeGroups" in info.message
+            assert "no handler for Busy on a worker (it handles Call, Cast, MakeGroups" in info.message
         assert mesh.state == "running"  # the worker served on
         from monarch import remote
 
@@ -90,7 +91,9 @@ def test_a_simulated_mesh_answers_what_it_does_not_model_with_an_error():
         for env in replies.values():
             info = codec.loads(env.body, env.buffers)
             assert (env.message.ok, info.exc_type) == (False, "NotImplementedError")
-            assert info.message.startswith("Busy is not simulated: a simulated mesh models Call, Exit, MakeGroups")
+            assert info.message.startswith(
+                "Busy is not simulated: a simulated mesh models Call, Cast, Exit, MakeGroups"
+            )
         with pytest.raises(NotImplementedError, match="Goodbye is not simulated"):
             mesh.spawned.controller.send(mesh.spawned, None, protocol.Goodbye())
     finally:

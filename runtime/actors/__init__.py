@@ -12,7 +12,7 @@
     counters = procs.spawn("counters", Counter, 0)     # one Counter per process of `procs`
     counters.incr.call(2).get()                        # a ValueMesh: 2 on every process
     counters.slice(gpu=0).incr.call_one().get()        # exactly one actor: its value
-    counters.incr.broadcast()                          # no reply; a failure is reported, not raised
+    counters.incr.broadcast()                          # no reply; a failure goes to the mesh's supervisor
     counters.incr.choose().get()                       # one actor, the least busy
     for value in counters.incr.stream(): ...           # each actor's value as it comes
 
@@ -24,16 +24,21 @@ debugger are a live function's.
 from __future__ import annotations
 
 import concurrent.futures
-import sys
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from monarch.runtime import mesh as _mesh
+from monarch.runtime.actors import supervision
+from monarch.runtime.actors.supervision import MeshFailure
 from monarch.runtime.common.actors import Actor, endpoints_of
+from monarch.runtime.common.errors import ErrorInfo, RemoteError, group_failures
 from monarch.runtime.mesh import ProcMesh
 from monarch.runtime.values import Future, ValueMesh
 from monarch.runtime.wire import codec
+
+if TYPE_CHECKING:
+    from monarch.runtime.controller import SpawnedMesh
 
 WORKER = "monarch.runtime.worker.actors"
 REF = "monarch.runtime.worker.actor_ref"
@@ -63,6 +68,8 @@ class ActorMesh:
     @property
     def sizes(self) -> dict[str, int]:
         return self._procs.sizes
+
+    extent = property(lambda self: self._procs.extent, doc="`{dimension: size}`, as Monarch prints it.")
 
     def size(self, dim: str | None = None) -> int:
         return self._procs.size(dim)
@@ -96,6 +103,10 @@ class ActorMesh:
                 known[self._name] = (cls, left)
             else:
                 del known[self._name]
+
+    def owner(self) -> supervision.Owner | None:
+        """Who is told of this actor mesh's failures (`monarch.runtime.actors.supervision`)."""
+        return self._procs.spawned.owners.get(self._name)
 
     def __reduce__(self) -> Any:
         """Sent to a worker (an actor's constructor or endpoint argument), an actor mesh becomes a reference
@@ -136,15 +147,29 @@ class ActorEndpoint:
         return OneFuture(self._start(procs, args, kwargs))
 
     def broadcast(self, *args: Any, **kwargs: Any) -> None:
-        """Send to every actor without waiting; a failure is reported (`unhandled_fault_hook`), never raised here."""
-        name = f"{self._actors._name}.{self._name}"
-        self._start(self._actors._procs, args, kwargs).add_done_callback(lambda f: _report_failure(f, name))
+        """Send to every actor without waiting; a failure becomes a `MeshFailure` for the actor mesh's owner
+        (its `__supervise__`, else `unhandled_fault_hook`), never raised here.
+
+        No call is tracked: it is queued with the broadcasts made about then (`controller/casts.py`), which go
+        down the command connection as one signed `Cast` (before anything else sent to the mesh, so it keeps
+        its place among the calls); only a failure comes back (`CastFailed`). Ranks already lost are skipped
+        (their death was reported)."""
+        a = self._actors
+        spawned, shape = a._procs.spawned, a._procs._shape
+        spawned.check_usable()
+        ranks = shape.ranks if not spawned.lost else tuple(r for r in shape.ranks if r not in spawned.lost)
+        if not _cast_failures.registered:
+            _cast_failures.register()
+        if ranks:
+            arguments = _NO_ARGS if not args and not kwargs else codec.dumps_whole((args, kwargs))
+            item = (a._name, self._name, shape.names, shape.sizes, shape.ranks, arguments)
+            spawned.controller.cast(spawned, ranks, item)
 
     def choose(self, *args: Any, **kwargs: Any) -> OneFuture:
         """Call one actor of the mesh, the one with the fewest `choose` calls in flight; a future of its value."""
         a = self._actors
         with a._lock:
-            point = min(range(len(a._procs)), key=lambda i: (a._in_flight.get(i, 0), i))
+            point = min(_live_points(a._procs), key=lambda i: (a._in_flight.get(i, 0), i))
             a._in_flight[point] = a._in_flight.get(point, 0) + 1
         future = self._start(_point(a._procs, point), args, kwargs)
 
@@ -208,21 +233,82 @@ def _only(values: ValueMesh) -> Any:
     return value
 
 
+def _live_points(procs: ProcMesh) -> list[int]:
+    """The points of `procs` (their indices) whose process is alive, so that `choose` skips a dead one (all of
+    them when every one is dead: the call then says how they died)."""
+    spawned = getattr(procs, "spawned", None)  # (a this_proc() mesh has none, and never loses its process)
+    lost = spawned.lost if spawned is not None else {}
+    live = [i for i, rank in enumerate(procs._shape.ranks) if rank not in lost]
+    return live or list(range(len(procs)))
+
+
 def _point(procs: ProcMesh, index: int) -> ProcMesh:
     """The view of `procs`'s point `index` (its dimensions kept, each of size 1)."""
     coords = procs._shape.coords(index)
     return procs.slice(**{dim: range(c, c + 1) for dim, c in coords.items()})
 
 
-def _report_failure(future: Future, name: str) -> None:
-    error = future.exception()
-    if error is not None:
-        unhandled_fault_hook(error, name)
+_NO_ARGS = codec.dumps_whole(((), {}))
 
 
-def unhandled_fault_hook(error: BaseException, what: str) -> None:
-    """What happens to a failure nobody waits for (a `broadcast`'s): said on stderr. Replace it to handle them."""
-    print(f"monarch: {what} failed on actors nobody waited for:\n{error}", file=sys.stderr)
+class _CastFailures:
+    """Failed broadcasts, as workers report them (`CastFailed`, on the receiving thread): those of one
+    broadcast's ranks, arriving within `WINDOW` seconds, become one `MeshFailure` (its error grouped by kind
+    with its ranks, as a call's are) for the actor mesh's owner."""
+
+    WINDOW = 0.05
+
+    def __init__(self) -> None:
+        self.registered = False
+        self._lock = threading.Lock()
+        self._held: dict[tuple[int, str, str], list[tuple[int, str, ErrorInfo]]] = {}
+
+    def register(self) -> None:
+        """Have the controller's receiving thread hand us failed broadcasts (at the first broadcast: importing
+        the controller here would make `import monarch.actor` import zmq)."""
+        from monarch.runtime.controller import receiving
+
+        receiving.CAST_FAILED = self
+        self.registered = True
+
+    def __call__(self, spawned: SpawnedMesh, rank: int, actor: str, endpoint: str, info: ErrorInfo) -> None:
+        key = (spawned.mesh_id, actor, endpoint)
+        with self._lock:
+            held = self._held.setdefault(key, [])
+            held.append((rank, spawned.labels[rank], info))
+            if len(held) > 1:
+                return
+        timer = threading.Timer(self.WINDOW, self._deliver, (spawned, key))
+        timer.daemon = True
+        timer.start()
+
+    def _deliver(self, spawned: SpawnedMesh, key: tuple[int, str, str]) -> None:
+        with self._lock:
+            raw = self._held.pop(key, [])
+        _, actor, endpoint = key
+        cls_name, ranks = spawned.actors.get(actor, ("", frozenset()))
+        error = RemoteError(f"{actor}.{endpoint}", group_failures(raw), len(ranks) or len(raw))
+        failure = supervision.endpoint_failed(actor, cls_name, spawned.shape.describe(), endpoint, error)
+        supervision.deliver(failure, spawned.owners.get(actor))
+
+
+_cast_failures = _CastFailures()
+
+
+def unhandled_fault_hook(failure: MeshFailure) -> None:
+    """What happens to a `MeshFailure` that no owner handled (a process under an actor mesh died, a broadcast's
+    endpoint raised): in a notebook it is shown in the cell that spawned the actor mesh (or the one running),
+    else printed on stderr; the process goes on. Replace it on `monarch.actor` to handle them yourself:
+    ``monarch.actor.unhandled_fault_hook = my_hook``."""
+    supervision.default_hook(failure)
+
+
+def check_spawn(name: Any, cls: Any) -> None:
+    """Refuse a spawn's bad name or class (before anything starts)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"spawn(name={name!r}, ...): give the actors a name (a non-empty string)")
+    if not (isinstance(cls, type) and issubclass(cls, Actor)):
+        raise TypeError(f"spawn({name!r}, {cls!r}): the class must subclass monarch.actor.Actor")
 
 
 def spawn(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs: dict) -> ActorMesh:
@@ -236,6 +322,7 @@ def spawn(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs: dict) -> A
     known = procs.spawned.actors
     _, ranks = known.get(name, ("", frozenset()))
     known[name] = (cls.__name__, ranks | frozenset(procs._shape.ranks))
+    supervision.adopt(procs.spawned, name, supervision.owner_here())
     return ActorMesh(procs, name, cls, endpoints_of(cls), dict(zip(procs._shape.ranks, inboxes, strict=True)))
 
 

@@ -89,6 +89,11 @@ class Backend(ABC):
     def kill(self, mesh_id: int) -> None:
         """Kill a mesh's workers now (after a failure); does not wait."""
 
+    def kill_rank(self, mesh_id: int, rank: int) -> None:
+        """Kill one worker now (one lost while the rest of its mesh goes on: frozen, or not reading); does not
+        wait. By default nothing: a backend that cannot reach one worker leaves it to the mesh's stop."""
+        return None
+
     @abstractmethod
     def mark_gone(self, mesh_id: int) -> None:
         """Tell workers of other meshes that wait to meet one of this mesh's that it will not come."""

@@ -265,7 +265,9 @@ class HostsBackend(Backend):
                 continue
             cause = f"is on host {host.name}, {'whose' if ended else 'which'} {why}"
             if mesh.running:
-                self.on_lost(mesh_id, ranks[0], cause)
+                for rank in ranks:  # (each: a mesh with actors goes on without them; one without stops at the first)
+                    if mesh.running:
+                        self.on_lost(mesh_id, rank, cause)
             else:
                 with self.changed:
                     mesh.exited.update(dict.fromkeys(ranks, cause))

@@ -149,6 +149,9 @@ class LocalBackend(Backend):
     def kill(self, mesh_id: int) -> None:
         self.procs.kill(mesh_id)
 
+    def kill_rank(self, mesh_id: int, rank: int) -> None:
+        self.procs.kill_rank(mesh_id, rank)
+
     def stop(self, mesh_id: int, graceful: bool) -> dict[int, int | None]:
         if mesh_id not in self.meshes:
             return {}

@@ -182,22 +182,29 @@ def _render(name: str, text: str) -> list[str]:
 
 
 class WorkerDiedError(RemoteError):
-    """A worker process exited while its mesh was in use; the rest of that mesh is stopped."""
+    """A worker process exited while its mesh was in use. Without actors the rest of that mesh is stopped;
+    a mesh with actors goes on without it (`kept`), and each later call that includes the rank raises this."""
 
-    def __init__(self, rank: int, label: str, cause: str, mesh: str, total: int):
-        self.rank, self.label, self.cause, self.mesh = rank, label, cause, mesh
+    def __init__(self, rank: int, label: str, cause: str, mesh: str, total: int, kept: bool = False):
+        self.rank, self.label, self.cause, self.mesh, self.kept = rank, label, cause, mesh, kept
         self.what = f"mesh {mesh}"
         self.failures = [Failure([rank], [label], "WorkerDied", cause, "")]
         self.total = total
         self.released = []
-        Exception.__init__(
-            self,
-            f"rank {rank} ({label}) of mesh {mesh} {cause}; the other workers of the mesh were "
-            "stopped and calls in flight failed (mesh.respawn() starts a new mesh of the same shape)",
-        )
+        if kept:
+            then = (
+                f"the mesh's other workers go on (it runs actors): calls to them work, calls that include rank "
+                f"{rank} fail (mesh.respawn() starts a new mesh of the same shape)"
+            )
+        else:
+            then = (
+                "the other workers of the mesh were stopped and calls in flight failed (mesh.respawn() starts a "
+                "new mesh of the same shape)"
+            )
+        Exception.__init__(self, f"rank {rank} ({label}) of mesh {mesh} {cause}; {then}")
 
     def __reduce__(self):
-        return type(self), (self.rank, self.label, self.cause, self.mesh, self.total)
+        return type(self), (self.rank, self.label, self.cause, self.mesh, self.total, self.kept)
 
 
 def group_failures(raw: list[tuple[int, str, ErrorInfo]]) -> list[Failure]:

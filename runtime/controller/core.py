@@ -21,6 +21,7 @@ from monarch.runtime.common import log
 from monarch.runtime.common.config import Settings, settings
 from monarch.runtime.common.errors import MeshStoppedError, WorkerDiedError
 from monarch.runtime.common.shape import Shape, format_ranks
+from monarch.runtime.controller.casts import Casts
 from monarch.runtime.controller.debugger import DebugServer
 from monarch.runtime.controller.output import LineLabeller, OutputEvent
 from monarch.runtime.controller.progress import SpawnProgress, TerminalProgress
@@ -77,6 +78,8 @@ class Controller:
         self.jobs: dict[str, HostsBackend] = {}
         """Job name -> the backend of its host agents, once attached."""
         self.receiver = Receiver(self)
+        self.casts = Casts(self._send_now)
+        """`broadcast()`s to actors not sent yet (batched; sent before anything else to their mesh)."""
         self.stack_replies: dict[int, dict[int, list[tuple[str, list[Frame]]]]] = {}
         """Request number -> {rank: its threads' stacks}, while `stacks` waits for them."""
         self._stack_tokens = itertools.count(1)
@@ -162,10 +165,23 @@ class Controller:
         message: Any,
         body: list[bytes | memoryview] | None = None,
     ) -> None:
-        """Send a `protocol` message to `ranks` of `mesh` (None or every rank: all) without waiting."""
+        """Send a `protocol` message to `ranks` of `mesh` (None or every rank: all) without waiting (after the
+        broadcasts queued for the mesh)."""
+        if self.casts.pending and mesh.mesh_id in self.casts.pending:
+            self.casts.flush(mesh.mesh_id)
+        self._send_now(mesh, ranks, message, body)
+
+    def _send_now(
+        self, mesh: SpawnedMesh, ranks: tuple[int, ...] | None, message: Any, body: list[bytes | memoryview] | None
+    ) -> None:
         if ranks is not None and len(ranks) == mesh.size:
             ranks = None
         mesh.backend.send(mesh.mesh_id, ranks, message, body)
+
+    def cast(self, mesh: SpawnedMesh, ranks: tuple[int, ...], item: tuple[Any, ...]) -> None:
+        """Queue a `broadcast()` to actors (`protocol.Cast`'s item) for `ranks` of `mesh`: it is sent with the
+        others made about then, before anything else sent to the mesh (`controller/casts.py`)."""
+        self.casts.add(mesh, ranks, item)
 
     def call(
         self,
@@ -178,15 +194,16 @@ class Controller:
     ) -> PendingCall:
         """Start a call on `ranks`: `message_for(call_id)` gives its message and body. Its future resolves
         to ``{rank: envelope of its Reply}``."""
-        mesh.check_usable()
+        mesh.check_usable(ranks)
         call_id = next(self._ids)
         pending = PendingCall(
             call_id, mesh, ranks, concurrent.futures.Future(), no_stdin=no_stdin, output=output, name=name,
             started=time.monotonic(),
         )  # fmt: skip
         self.calls[call_id] = pending
-        if mesh.failure is not None:  # died between the check and the registration
-            self._fail(pending, mesh.failure)
+        dead = mesh.failure or mesh.lost_among(ranks)
+        if dead is not None:  # died between the check and the registration
+            self._fail(pending, dead)
         else:
             message, body = message_for(call_id)
             self.send(mesh, ranks, message, body)
@@ -414,12 +431,17 @@ class Controller:
 
     # -- losing and stopping -------------------------------------------------------------------------
     def _on_lost(self, mesh_id: int, rank: int, cause: str) -> None:
-        """The backend lost a worker of a running mesh: fail the mesh, its calls, stop the rest."""
+        """The backend lost a worker of a running mesh. SPMD code cannot go on without a rank: fail the mesh,
+        its calls, stop the rest. A mesh with actors is supervised instead (`_lose_rank`)."""
         mesh = self.meshes.get(mesh_id)
         if mesh is None or mesh.state != "running":
             return  # stopping, or already failed: expected
+        if mesh.actors:
+            self._lose_rank(mesh, rank, cause)
+            return
         mesh.state = "failed"
         mesh.failure = WorkerDiedError(rank, mesh.labels[rank], cause, mesh.shape.describe(), mesh.size)
+        self.casts.drop(mesh_id)
         mesh.backend.kill(mesh_id)
         self._mark_gone(mesh)
         for pending in list(self.calls.values()):
@@ -427,6 +449,26 @@ class Controller:
                 self._fail(pending, mesh.failure)
         self.changed(mesh)
         print(f"monarch: {mesh.failure}", file=sys.stderr)
+
+    def _lose_rank(self, mesh: SpawnedMesh, rank: int, cause: str) -> None:
+        """One rank of a mesh with actors is gone (monitor thread): fail the calls waiting on it, make later
+        calls that include it fail at once (`SpawnedMesh.lost`), and let the rest of the mesh go on. The
+        actors' supervision (`mesh.on_rank_lost`) hears of it last; it only queues work, never blocks."""
+        if rank in mesh.lost:
+            return
+        error = WorkerDiedError(rank, mesh.labels[rank], cause, mesh.shape.describe(), mesh.size, kept=True)
+        mesh.lost[rank] = error
+        _log.info("mesh %d: rank %d %s; the rest of the mesh goes on (it runs actors)", mesh.mesh_id, rank, cause)
+        mesh.backend.kill_rank(mesh.mesh_id, rank)  # (one that froze or stopped reading: it must not linger)
+        for pending in list(self.calls.values()):
+            if pending.mesh is mesh and rank in pending.ranks and rank not in pending.replies:
+                self._fail(pending, error)
+        self.changed(mesh)
+        for fn in list(mesh.on_rank_lost):
+            try:
+                fn(rank, error)
+            except Exception:
+                traceback.print_exc(file=sys.__stderr__)
 
     def _mark_gone(self, mesh: SpawnedMesh) -> None:
         try:
@@ -446,6 +488,10 @@ class Controller:
         for pending in list(self.calls.values()):
             if pending.mesh is mesh:
                 self._fail(pending, _stopped_during(pending, why))
+        if was_running:
+            self.casts.flush(mesh.mesh_id)  # (broadcasts made before the stop run before the workers exit)
+        else:
+            self.casts.drop(mesh.mesh_id)
         mesh.exit_codes = mesh.backend.stop(mesh.mesh_id, graceful=was_running)
         mesh.state = "stopped"
         self._mark_gone(mesh)
@@ -475,6 +521,7 @@ class Controller:
             return
         _log.info("shutting down: %d meshes to stop", len(self.meshes))
         self.stop_all()
+        self.casts.close()
         self.stdin.close()
         for name in list(self.jobs):
             self.detach(name)

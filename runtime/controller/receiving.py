@@ -29,7 +29,7 @@ from monarch.runtime.wire.hold import HOLD, MAIN
 if TYPE_CHECKING:
     from monarch.runtime.backends.base import Replies
     from monarch.runtime.controller.core import Controller
-    from monarch.runtime.controller.state import PendingCall
+    from monarch.runtime.controller.state import PendingCall, SpawnedMesh
 
 RX_HANDBACK = 0.01
 """Seconds after a waiting caller returns before the background thread receives again (output that
@@ -38,6 +38,11 @@ RX_LOOK_AGAIN = 0.05
 """Seconds the background thread sleeps on the socket's notification fd before it looks anyway: that fd
 is edge-triggered and shared with callers that receive for themselves, whose waits can consume an edge
 meant for it (seen: an interrupted call's replies, and every reply after them, left unread)."""
+
+
+CAST_FAILED: Callable[[SpawnedMesh, int, str, str, protocol.ErrorInfo], None] | None = None
+"""Takes a failed `broadcast()` (mesh, rank, actor, endpoint, error): set by `monarch.runtime.actors`, a layer
+above, which hands it to the actor mesh's owner."""
 
 
 class Receiver:
@@ -60,6 +65,7 @@ class Receiver:
             protocol.Released: self._on_released,
             protocol.Busy: self._on_busy,
             protocol.Stacks: self._on_stacks,
+            protocol.CastFailed: self._on_cast_failed,
         }
         self.taps: list[Callable[[OutputEvent], None]] = []
         """Also given every output event, after its sink (the script debugger shows its ranks' output)."""
@@ -223,6 +229,8 @@ class Receiver:
         if len(pending.replies) == len(pending.ranks):
             c.calls.pop(msg.call_id, None)
             pending.mesh.abandoned.discard(msg.call_id)
+            if pending.mesh.logs is not None:  # lines held for collapsing: shown before the result
+                pending.mesh.logs.let_go(self._sink(pending), ended=True)
             c.call_done(pending)
             if not pending.future.done():
                 pending.future.set_result(pending.replies)
@@ -278,7 +286,8 @@ class Receiver:
     def notice(self, pending: PendingCall, rank: int, text: str, stream: str = "stderr") -> None:
         """Show a line of the runtime's about `pending` where its output goes, in `rank`'s place."""
         mesh = pending.mesh
-        self._deliver(pending, OutputEvent(pending.call_id, mesh.mesh_id, rank, mesh.labels[rank], stream, text))
+        event = OutputEvent(pending.call_id, mesh.mesh_id, rank, mesh.labels[rank], stream, text)
+        self._deliver(pending, event, as_is=True)
 
     def _event(
         self,
@@ -295,11 +304,22 @@ class Receiver:
         pending = c.calls.get(call_id) if call_id is not None else None
         self._deliver(pending, OutputEvent(call_id, env.mesh_id, env.rank, label, stream, text, data, metadata))
 
-    def _deliver(self, pending: PendingCall | None, event: OutputEvent) -> None:
-        """To the call's own output (a cell's areas) if it has one, else the controller's."""
-        sink = pending.output if pending is not None and pending.output is not None else self.controller.output
+    def _sink(self, pending: PendingCall | None) -> Callable[[OutputEvent], None]:
+        """The call's own output (a cell's areas) if it has one, else the controller's."""
+        return pending.output if pending is not None and pending.output is not None else self.controller.output
+
+    def _deliver(self, pending: PendingCall | None, event: OutputEvent, as_is: bool = False) -> None:
+        """To the call's own output (a cell's areas) if it has one, else the controller's; through the mesh's
+        logging options if it has any (`ProcMesh.logging_option`: `as_is`, a line of the runtime's, is never
+        collapsed)."""
+        sink = self._sink(pending)
+        mesh = self.controller.meshes.get(event.mesh_id)
+        logs = mesh.logs if mesh is not None else None
         try:
-            sink(event)
+            if logs is None:
+                sink(event)
+            else:
+                logs.deliver(sink, event, pending, as_is)
         except Exception:
             traceback.print_exc(file=sys.__stderr__)
         for tap in self.taps:
@@ -307,6 +327,18 @@ class Receiver:
                 tap(event)
             except Exception:
                 traceback.print_exc(file=sys.__stderr__)
+
+    def _on_cast_failed(self, env: codec.Envelope) -> None:
+        """A `broadcast()` to actors raised on a worker: to the actors' layer (`CAST_FAILED`), which tells the
+        actor mesh's owner; never user code on this thread."""
+        mesh = self.controller.meshes.get(env.mesh_id)
+        if mesh is None or CAST_FAILED is None:
+            return
+        try:
+            info = codec.loads(env.body, env.buffers)
+        except Exception as e:
+            info = protocol.ErrorInfo(type(e).__qualname__, f"its error cannot be unpickled here: {e}", "")
+        CAST_FAILED(mesh, env.rank, env.message.actor, env.message.endpoint, info)
 
     def _on_output(self, env: codec.Envelope) -> None:
         self._event(env, env.message.stream, env.message.text)
@@ -320,6 +352,8 @@ class Receiver:
         if mesh is None:
             return False
         label = mesh.labels[env.rank]
+        if mesh.logs is not None:  # what the ranks wrote before the prompt, shown first
+            mesh.logs.let_go()
         self.controller.stdin.on_request(
             InputRequest(
                 mesh, env.rank, label, msg.call_id, msg.req_id, msg.prompt, msg.password, msg.debugger, msg.where

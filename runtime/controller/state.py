@@ -14,6 +14,7 @@ from monarch.runtime.controller.output import OutputEvent
 
 if TYPE_CHECKING:
     from monarch.runtime.backends.base import Backend
+    from monarch.runtime.controller.aggregate import MeshLogs
     from monarch.runtime.controller.core import Controller
     from monarch.runtime.wire import codec, protocol
 
@@ -58,16 +59,40 @@ class SpawnedMesh:
     """How many times its process groups were re-formed (after ranks were released from a collective)."""
     actors: dict[str, tuple[str, frozenset[int]]] = field(default_factory=dict)
     """Actor name -> (its class's name, the ranks it runs on): what `ProcMesh.spawn` started here."""
+    logs: MeshLogs | None = None
+    """Its logging options (`ProcMesh.logging_option`), once set: where its output goes, lines collapsed."""
+    lost: dict[int, WorkerDiedError] = field(default_factory=dict)
+    """Rank -> how it died, for ranks lost while the rest of the mesh went on (a mesh with actors is
+    supervised: see `Controller._on_lost`)."""
+    on_rank_lost: list[Callable[[int, WorkerDiedError], None]] = field(default_factory=list)
+    """Called (on the backend's monitor thread: quick, never blocking) when a rank of this mesh is lost while
+    the rest goes on; `monarch.runtime.actors` hands the failure to the actor meshes' owners from here."""
+    owners: dict[str, Any] = field(default_factory=dict)
+    """Actor name -> who supervises that actor mesh (kept by `monarch.runtime.actors`, opaque here)."""
 
     @property
     def size(self) -> int:
         return len(self.shape)
 
-    def check_usable(self) -> None:
+    def check_usable(self, ranks: tuple[int, ...] | None = None) -> None:
+        """Raise if the mesh cannot take a call (on `ranks`, when given: one of them lost raises how it died;
+        None checks the mesh only)."""
         if self.failure is not None:
             raise self.failure
         if self.state != "running":
             raise RuntimeError(f"mesh {self.shape.describe()} is {self.state}; spawn a new one (mesh.respawn())")
+        dead = self.lost_among(ranks) if ranks is not None else None
+        if dead is not None:
+            raise dead
+
+    def lost_among(self, ranks: tuple[int, ...] | None) -> WorkerDiedError | None:
+        """How the first lost rank of `ranks` (None: any rank) died, or None when all of them live."""
+        if not self.lost:
+            return None
+        for rank in sorted(self.lost) if ranks is None else ranks:
+            if rank in self.lost:
+                return self.lost[rank]
+        return None
 
 
 @dataclass

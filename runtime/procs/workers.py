@@ -56,14 +56,18 @@ class _Group:
     all_exited: threading.Event = field(default_factory=threading.Event)
     running: bool = False
     """Set once started, cleared when stopping: only then is an exit a lost worker."""
+    lost: set[int] = field(default_factory=set)
+    """Ranks reported lost. Each is reported once, and the others are still watched: whether a mesh goes on
+    without a rank (one with actors) or is stopped (SPMD code) is the controller's decision."""
     stopped_since: dict[int, float] = field(default_factory=dict)
     control_seq: int = 0
 
 
 class WorkerProcs:
     """This machine's worker processes, by mesh. `on_lost(mesh_id, rank, cause)` is called (monitor thread)
-    when a worker of a running mesh exits or stays frozen; `poll_fd` (with `on_poll`) is one more descriptor
-    the monitor thread watches for its owner: looked at every few ms while a mesh starts."""
+    when a worker of a running mesh exits or stays frozen, once per worker (the others are still watched);
+    `poll_fd` (with `on_poll`) is one more descriptor the monitor thread watches for its owner: looked at
+    every few ms while a mesh starts."""
 
     def __init__(
         self,
@@ -175,6 +179,14 @@ class WorkerProcs:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signal.SIGKILL)
 
+    def kill_rank(self, mesh_id: int, rank: int) -> None:
+        """Kill one worker of the group now (the rest go on); does not wait."""
+        group = self.groups.get(mesh_id)
+        p = group.procs.get(rank) if group is not None else None
+        if p is not None and p.pid is not None and p._popen.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+
     def wait_exit(self, mesh_id: int, grace: float) -> dict[int, int | None]:
         """Wait up to `grace` seconds for every worker of the group to exit, kill those left, forget the
         group; returns the exit statuses."""
@@ -262,8 +274,8 @@ class WorkerProcs:
             if len(group.exitcodes) >= group.expected:
                 group.all_exited.set()
             self.changed.notify_all()
-        if group.running:
-            group.running = False
+        if group.running and rank not in group.lost:
+            group.lost.add(rank)
             self.on_lost(mesh_id, rank, exit_cause(code))
 
     def _check_frozen(self) -> None:
@@ -272,18 +284,17 @@ class WorkerProcs:
             if not group.running:
                 continue
             for rank, p in list(group.procs.items()):
-                if proc_state(p.pid) != "T":
+                if rank in group.lost or proc_state(p.pid) != "T":
                     group.stopped_since.pop(rank, None)
                     continue
                 since = group.stopped_since.setdefault(rank, now)
                 if now - since >= self.settings.frozen_after and group.running:
-                    group.running = False
+                    group.lost.add(rank)
                     self.on_lost(
                         mesh_id,
                         rank,
                         f"is frozen: stopped (SIGSTOP or Ctrl-Z, process state T) for {now - since:.1f} s",
                     )
-                    break
 
 
 def proc_state(pid: int | None) -> str | None:

@@ -43,7 +43,7 @@ _seq = itertools.count(1)
 class Inbox:
     """A worker's ROUTER for actor messages from other workers (and from its own actors)."""
 
-    def __init__(self, ctx: zmq.Context, keys: WorkerKeys) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], keys: WorkerKeys) -> None:
         self.keys = keys
         self.key = os.urandom(32)
         self.sock = ctx.socket(zmq.ROUTER)
@@ -94,7 +94,7 @@ class Inbox:
 class Outbox:
     """This process's connection to one worker's inbox: messages out, answers back."""
 
-    def __init__(self, ctx: zmq.Context, to: InboxAddress, me: tuple[int, int]) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], to: InboxAddress, me: tuple[int, int]) -> None:
         self.to, self.me = to, me
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 1000)  # a broadcast just sent still leaves when the caller ends

@@ -202,6 +202,16 @@ def dumps(obj: Any) -> list[bytes | memoryview]:
     return [f.getvalue(), *buffers]
 
 
+def dumps_whole(obj: Any) -> bytes:
+    """Pickle `obj` as one bytes object, large buffers inside it (a payload carried inside another message's
+    body)."""
+    if _plain(obj):
+        return pickle.dumps(obj, protocol=5)
+    f = io.BytesIO()
+    _Pickler(f, protocol=5).dump(obj)
+    return f.getvalue()
+
+
 def dumps_function(fn: Any) -> bytes:
     """Pickle a function by value (cloudpickle), keeping its code's file name (see `_code_keeping_its_file`)."""
     f = io.BytesIO()

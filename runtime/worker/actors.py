@@ -26,8 +26,11 @@ from monarch.runtime.common import context
 from monarch.runtime.common.shape import Shape
 from monarch.runtime.wire import codec, protocol
 from monarch.runtime.wire.actor_end import Inbox, InboxAddress, Outbox
+from monarch.runtime.worker.describe import describe
 
 _actors: dict[str, tuple[Any, shared.ActorInstance]] = {}
+host: Any = None
+"""This process's `worker.Worker` (it sets itself here as it starts: this module never imports it)."""
 _loop: asyncio.AbstractEventLoop | None = None
 
 
@@ -62,6 +65,41 @@ def invoke(name: str, endpoint: str, args: tuple, kwargs: dict, message_rank: di
         return result
     finally:
         shared.current = token
+
+
+def cast(
+    actor: str, endpoint: str, names: tuple[str, ...], sizes: tuple[int, ...], ranks: tuple[int, ...], arguments: bytes
+) -> tuple[bool, Any]:
+    """Run one `broadcast()`'s endpoint here: (True, its result) or (False, the exception)."""
+    worker = host
+    rank = _message_rank(names, sizes, ranks)
+    try:
+        args, kwargs = codec.loads(arguments)
+        if worker is not None:
+            worker.in_user_code = True
+        return True, invoke(actor, endpoint, args, kwargs, rank)
+    except BaseException as e:  # (Ctrl-C too: it ends this message, not the worker)
+        return False, e
+    finally:
+        if worker is not None:
+            worker.in_user_code = False
+
+
+_views: dict[tuple, tuple[dict[str, int], dict[str, int]]] = {}
+
+
+def _message_rank(names: tuple[str, ...], sizes: tuple[int, ...], ranks: tuple[int, ...]) -> dict[str, int]:
+    """This process's coordinates in the view a message was sent to (and, on the side, sets it as the
+    current view, for `current_rank()`)."""
+    key = (names, sizes, ranks)
+    got = _views.get(key)
+    if got is None:
+        view = Shape(names, sizes, ranks)
+        got = (view.coords(ranks.index(context.worker.rank)), view.size_dict)
+        if len(_views) < 1024:
+            _views[key] = got
+    context.view = context.CallView(dict(got[0]), dict(got[1]))
+    return dict(got[0])
 
 
 def stop(name: str) -> bool:
@@ -113,9 +151,7 @@ class Mailbox:
     main thread only; other threads hand it what to send (`post`)."""
 
     def __init__(self) -> None:
-        from monarch.runtime.worker import worker
-
-        self.worker = worker.current
+        self.worker = host
         assert self.worker is not None, "actors run on a worker"
         self.main = threading.get_ident()
         transport = self.worker.transport
@@ -208,15 +244,11 @@ class Mailbox:
     def _serve(self, identity: bytes, env: codec.Envelope) -> None:
         """Run one actor message here, as a call of the controller's would run (its output goes to the call
         the sender was serving), and answer it."""
-        from monarch.runtime.worker.worker import describe
-
         msg: protocol.ActorSend = env.message
         worker = self.worker
         before = (worker.call_id, worker.in_user_code, context.view)
         worker.call_id = msg.origin
-        view = Shape(msg.names, msg.sizes, msg.ranks)
-        rank = view.coords(msg.ranks.index(self.me[1]))
-        context.view = context.CallView(rank, view.size_dict)
+        rank = _message_rank(msg.names, msg.sizes, msg.ranks)
         ok = True
         try:
             args, kwargs = codec.loads(env.body, env.buffers)

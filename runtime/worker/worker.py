@@ -28,8 +28,9 @@ from monarch.runtime.common.shape import Shape
 from monarch.runtime.wire import codec, protocol
 from monarch.runtime.wire.store import store_client
 from monarch.runtime.wire.worker_end import WorkerTransport
-from monarch.runtime.worker import groups, stdin
+from monarch.runtime.worker import actors, groups, stdin
 from monarch.runtime.worker.control import Control
+from monarch.runtime.worker.describe import describe
 from monarch.runtime.worker.engine import commands as engine
 from monarch.runtime.worker.output import Output
 
@@ -45,6 +46,7 @@ HANDLERS: dict[type, str] = {
     protocol.RunOps: "_run_ops",
     protocol.StdinReply: "_late_stdin",
     protocol.ReformGroups: "_reform_groups",
+    protocol.Cast: "_cast",
 }
 """A worker's handler per message type (`Exit` ends its loop); anything else is answered by `_unsupported`."""
 
@@ -81,6 +83,7 @@ class Worker:
         current = self
         stdin.install(self)
         self.control = Control(self, self.targets)
+        actors.host = self
 
     def _on_sigint(self, signum, frame) -> None:
         (target,) = struct.unpack_from("<q", self.targets, protocol.SLOT * self.rank)
@@ -180,6 +183,16 @@ class Worker:
     def _reform_groups(self, env: codec.Envelope) -> None:
         groups.current.reform(env.message.generation)
         _log.info("process groups re-formed (generation %d)", env.message.generation)
+        self.output.flush()
+
+    def _cast(self, env: codec.Envelope) -> None:
+        """`broadcast()`s to actors here, in order; only a failure is answered (`CastFailed`)."""
+        self.call_id = None
+        for item in codec.loads(env.body, env.buffers):
+            ok, value = actors.cast(*item)
+            if not ok:
+                self.output.flush()
+                self._send(protocol.CastFailed(item[0], item[1]), codec.dumps(describe(value)))
         self.output.flush()
 
     def _late_stdin(self, env: codec.Envelope) -> None:
@@ -289,30 +302,3 @@ class Worker:
 
 _NONE = codec.dumps(None)
 RELEASED = protocol.RELEASED
-
-_HERE = os.path.dirname(__file__)
-_PLUMBING = {__file__, *(os.path.join(_HERE, f) for f in ("cells.py", "stdin.py", "actors.py", "actor_ref.py"))}
-"""Our frames at the top of a worker traceback; left out so the user's code comes first."""
-
-
-def describe(e: BaseException, prefix: str = "") -> protocol.ErrorInfo:
-    """`e` as the controller shows it, our own frames (worker plumbing) left out."""
-    if type(e).__name__ == "PoisonedValueError":  # its message holds the traceback that matters
-        return protocol.ErrorInfo(type(e).__qualname__, prefix + str(e), "")
-    te = traceback.TracebackException.from_exception(e)
-    for t in (te, *_chained(te)):
-        t.stack = traceback.StackSummary.from_list([f for f in t.stack if f.filename not in _PLUMBING])
-    return protocol.ErrorInfo(type(e).__qualname__, prefix + str(e), "".join(te.format()))
-
-
-def _chained(te: traceback.TracebackException) -> list[traceback.TracebackException]:
-    out, seen = [], set()
-    todo = [te.__cause__, te.__context__]
-    while todo:
-        t = todo.pop()
-        if t is None or id(t) in seen:
-            continue
-        seen.add(id(t))
-        out.append(t)
-        todo += [t.__cause__, t.__context__]
-    return out

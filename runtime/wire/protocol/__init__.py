@@ -13,7 +13,7 @@ Import this package (``from monarch.runtime.wire import protocol``): it register
 message's wire tag is written next to it (`message(tag)`).
 """
 
-from monarch.runtime.wire.protocol.actors import ActorAnswer, ActorSend
+from monarch.runtime.wire.protocol.actors import ActorAnswer, ActorSend, Cast, CastFailed
 from monarch.runtime.wire.protocol.agent import (
     LINK,
     AgentHello,
@@ -75,7 +75,7 @@ from monarch.runtime.wire.protocol.tensor import (
     unpack_commands,
 )
 
-TO_WORKERS = (Call, MakeGroups, RunOps, StdinReply, Exit, ReformGroups)
+TO_WORKERS = (Call, MakeGroups, RunOps, StdinReply, Exit, ReformGroups, Cast)
 """Every message a controller sends its workers through `Backend.send`. Every backend answers each one: a
 worker's `HANDLERS` (and `Exit`), the simulator's `HANDLED` and `IGNORED`; a request the receiver does not
 handle gets an error `Reply`, never silence (`tests/test_wire_tags.py`)."""
@@ -84,6 +84,8 @@ __all__ = [
     "TO_WORKERS",
     "ActorAnswer",
     "ActorSend",
+    "Cast",
+    "CastFailed",
     "AgentHello",
     "AgentInfo",
     "Alias",

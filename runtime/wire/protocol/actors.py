@@ -1,12 +1,13 @@
 """Actors calling actors: worker -> worker, straight to the receiving worker's inbox (`wire/actor_end.py`),
 never through the controller. A message (`ActorSend`) runs one endpoint; a call is answered (`ActorAnswer`)
-on the same connection."""
+on the same connection. And the controller's `broadcast()`: `Cast` down the command connection, answered only
+when it fails (`CastFailed`, up the reply connection)."""
 
 from __future__ import annotations
 
 from monarch.runtime.wire.protocol.base import message
 
-__all__ = ["ActorAnswer", "ActorSend"]
+__all__ = ["ActorAnswer", "ActorSend", "Cast", "CastFailed"]
 
 
 @message(51)
@@ -32,3 +33,20 @@ class ActorAnswer:
 
     call_id: int
     ok: bool
+
+
+@message(53)
+class Cast:
+    """Controller -> workers: `broadcast()`s to actors, answering nothing; the body holds a list of
+    ``(actor, endpoint, names, sizes, ranks, arguments)``, run in order: `names`, `sizes` and `ranks` are the
+    actor mesh view each was sent to (`context().message_rank`), `arguments` the pickled ``(args, kwargs)``
+    (`codec.dumps_whole`). It rides the command connection, in order with the calls."""
+
+
+@message(54)
+class CastFailed:
+    """Worker -> controller: a `Cast` raised; the body holds its `ErrorInfo` (the controller hands it to the
+    actor mesh's owner: `__supervise__`, else `unhandled_fault_hook`)."""
+
+    actor: str
+    endpoint: str
