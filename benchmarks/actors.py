@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 from run import ROUND_TRIPS, N, abba, header, measure, peer_env, print_rows  # benchmarks/run.py, next to this file
@@ -176,6 +177,97 @@ FLOOR = textwrap.dedent(
 )
 
 
+HOSTS = textwrap.dedent(
+    """
+    import json, statistics, time
+    import monarch.notebook
+    from monarch.actor import Actor, endpoint
+
+
+    class Noop(Actor):
+        def __init__(self):
+            self.n = 0
+
+        @endpoint
+        def noop(self):
+            return None
+
+        @endpoint
+        def count(self):
+            self.n += 1
+
+        @endpoint
+        def seen(self):
+            return self.n
+
+
+    class Caller(Actor):  # times calls to an actor on the other host
+        def __init__(self, others):
+            self.other = others.slice(host=1, gpu=0)
+
+        @endpoint
+        def ping(self, n):
+            for _ in range(50):
+                self.other.noop.call_one().get()
+            ts = []
+            for _ in range(n):
+                t0 = time.perf_counter(); self.other.noop.call_one().get(); ts.append(time.perf_counter() - t0)
+            return statistics.median(ts)
+
+
+    def round_trips(f):
+        for _ in range(50):
+            f()
+        ts = []
+        for _ in range(ROUND_TRIPS):
+            t0 = time.perf_counter(); f(); ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+
+    job = monarch.notebook.reserve(2, name="bench-actors", timeout=120)
+    try:
+        procs = job.spawn_procs({"gpu": N // 2})
+        actors = procs.spawn("noop", Noop)
+        call = round_trips(lambda: actors.noop.call().get())
+        one = actors.slice(host=1, gpu=0)
+        call_one = round_trips(lambda: one.noop.call_one().get())
+        a2a = procs.spawn("callers", Caller, actors).slice(host=0, gpu=0).ping.call_one(ROUND_TRIPS).get()
+        t0 = time.perf_counter()
+        for _ in range(BROADCASTS):
+            actors.count.broadcast()
+        t1 = time.perf_counter()
+        assert list(actors.seen.call().get()) == [BROADCASTS] * N
+        t2 = time.perf_counter()
+        procs.exit()
+    finally:
+        monarch.notebook.cleanup("bench-actors")
+    print(json.dumps({"call": call, "call_one": call_one, "a2a": a2a, "issued": BROADCASTS / (t1 - t0),
+                      "total": BROADCASTS / (t2 - t0)}))
+    """
+)
+
+
+def hosts() -> dict | str:
+    """Our actors on 2 fake Slurm hosts x N/2 (tests/helpers/slurm_cluster.py; needs root and Slurm's packages):
+    the figures, or why they were not measured. torchmonarch is not run there (its hosts would need its own
+    agents started through Slurm)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from helpers.slurm_cluster import Cluster, missing
+
+    why = missing()
+    if why is not None:
+        return why
+    cluster = Cluster(hosts=2)
+    cluster.start()
+    try:
+        with tempfile.TemporaryDirectory() as jobs:
+            env = dict(os.environ, SLURM_CONF=str(cluster.conf), MONARCH_JOBS_DIR=jobs)
+            got = measure(sys.executable, f"BROADCASTS = {BROADCASTS}\n" + HOSTS, env)
+    finally:
+        cluster.stop()
+    return got if got is not None else "the run failed (above)"
+
+
 def side(python: str, prelude: str, env: dict | None = None) -> dict | None:
     return measure(python, f"BROADCASTS = {BROADCASTS}\n{prelude}" + ACTORS, env)
 
@@ -190,6 +282,7 @@ def run_all() -> dict:
     floor2 = measure(sys.executable, FLOOR)
     floors = [f["floor"] for f in (floor1, floor2) if f]
     results = {"monarch": ours, "torchmonarch": theirs, "floor": sum(floors) / len(floors) if floors else None}
+    results["hosts"] = hosts()
     if tm:
         results["torchmonarch_version"] = _version(tm)
     return results
@@ -243,6 +336,22 @@ def report(results: dict) -> None:
         print(f"call() to {N} / floor: " + " | ".join(parts) + f"  (target <= {FLOOR_TARGET}x: {met})")
     else:
         print("floor: the raw pyzmq echo failed (above)")
+    on_hosts = results.get("hosts")
+    if isinstance(on_hosts, dict):
+        print(
+            f"on 2 fake Slurm hosts x {N // 2} (through the hosts' agents; monarch only), ratio to one host's figure:"
+        )
+        for title, key, unit, scale in (
+            (f"  call() to {N} actors", "call", "ms", 1e3),
+            ("  call_one() to an actor on the second host", "call_one", "ms", 1e3),
+            ("  an actor's call_one() to an actor on the other host (TCP + CURVE)", "a2a", "ms", 1e3),
+        ):
+            print(f"{title}: {on_hosts[key] * scale:.3g} {unit} ({on_hosts[key] / ours[key]:.2f}x one host's)")
+        print(
+            f"  broadcast()s issued per second: {on_hosts['issued']:,.0f}/s; until all ran: {on_hosts['total']:,.0f}/s"
+        )
+    elif on_hosts:
+        print(f"on 2 fake Slurm hosts: not measured ({on_hosts})")
 
 
 def main() -> None:
