@@ -63,9 +63,12 @@ class RemoteFunction:
         no_stdin: str | None = None,
         output: Callable[[OutputEvent], None] | None = None,
         name: str = "",
+        sources_of: Any = None,
     ) -> Future:
         """Start the call with options: `no_stdin` (why the workers cannot be given input, if they
-        cannot), `output` (where its output goes, instead of the controller's sink), `name` (in errors)."""
+        cannot), `output` (where its output goes, instead of the controller's sink), `name` (in errors),
+        `sources_of` (a class or function whose by-value code's source lines go along, for the workers'
+        tracebacks and pdb: an actor class spawned by name)."""
         mesh = self._mesh or active_mesh()
         if mesh is None:
             raise RuntimeError(
@@ -98,6 +101,8 @@ class RemoteFunction:
             # The function travels in the message, apart from the arguments: a worker keeps it even when
             # the arguments fail to unpickle there.
             fn_blob, sources = (blob, _sources(fn)) if ship else (None, None)
+            if sources_of is not None:
+                sources = {**(sources or {}), **_sources(sources_of)} or None
             cells = {f: c for f in sources or () if (c := cell_name(f)) is not None} or None
             pending = controller.call(
                 spawned,

@@ -283,6 +283,52 @@ def test_in_the_notebook_an_actors_prints_land_in_its_ranks_area_and_errors_are_
         assert k.run("procs.exit()").status == "ok"
 
 
+def test_in_the_notebook_pdb_serves_an_endpoint_and_ctrl_c_interrupts_a_waiting_call(tmp_path):
+    """`breakpoint()` in an endpoint is answered per rank as in a live function; interrupting a cell that waits
+    on `call()` interrupts the endpoints on the actors, and they serve the next call."""
+    from helpers.kernel_client import monarch_kernel
+
+    define = (
+        "import os, time\n"
+        "from monarch.actor import Actor, endpoint, context, this_host\n"
+        "class Stepper(Actor):\n"
+        "    @endpoint\n"
+        "    def debug(self, x):\n"
+        "        y = x * 10\n"
+        "        breakpoint()\n"
+        "        return y + 1\n"
+        "    @endpoint\n"
+        "    def snooze(self, marker):\n"
+        "        open(f'{marker}.{os.getpid()}', 'w').close()\n"
+        "        time.sleep(60)\n"
+        "    @endpoint\n"
+        "    def ping(self):\n"
+        "        return 'pong'\n"
+        "procs = this_host().spawn_procs({'gpu': 2})\n"
+        "steppers = procs.spawn('steppers', Stepper)"
+    )
+    with monarch_kernel() as k:
+        assert k.run(define).status == "ok"
+        prompts: list[str] = []
+
+        def stdin_hook(msg):
+            prompts.append(msg["content"]["prompt"])
+            k.kc.input("p y" if len(prompts) % 2 else "c")
+
+        r = k.run("steppers.debug.call(4).get()", allow_stdin=True, stdin_hook=stdin_hook)
+        assert r.status == "ok", r.text()
+        assert len(prompts) == 4 and all(p.endswith("(Pdb) ") for p in prompts), prompts
+        text = r.text()
+        assert "[gpu=0] 40" in text and "[gpu=1] 40" in text and "41" in text, text
+        marker = str(tmp_path / "snoozing")
+        k.interrupt_when(lambda: started(marker, 2), "snooze running on both actors")
+        r = k.run(f"steppers.snooze.call({marker!r}).get()", timeout=30)
+        assert r.status == "error" and "KeyboardInterrupt" in r.text() and "time.sleep(60)" in r.text(), r.text()
+        r = k.run("list(steppers.ping.call().get())")
+        assert r.status == "ok" and "['pong', 'pong']" in r.text(), r.text()
+        assert k.run("procs.exit()").status == "ok"
+
+
 def test_the_mesh_table_lists_each_processs_actors(procs):
     a = procs.spawn("tabled", Counter, 0)
     procs.slice(gpu=slice(0, 2)).spawn("half", Counter, 0)

@@ -12,7 +12,7 @@ import asyncio
 import os
 
 import monarch.actor
-from monarch.actor import Actor, Future, MeshFailure, ProcMesh, context, endpoint, this_host, this_proc
+from monarch.actor import Actor, Future, HostMesh, MeshFailure, ProcMesh, context, endpoint, this_host, this_proc
 
 
 # -- an actor in this very process ------------------------------------------------------------------
@@ -52,7 +52,7 @@ def host_mesh():
     return this_host()
 
 
-hosts = host_mesh()
+hosts: HostMesh = host_mesh()
 print("hosts:", hosts.extent)
 
 
@@ -83,7 +83,7 @@ class DataLoader(Actor):
         return f"<fake data {self.i}>"
 
 
-class DTrainer(Actor):
+class Trainer(Actor):  # (a new Trainer, as the guide writes it)
     def __init__(self, dataloader: DataLoader):
         my_rank = context().actor_instance.rank
         self.dataloader = dataloader.slice(**my_rank)  # the loader on this trainer's own point
@@ -95,7 +95,7 @@ class DTrainer(Actor):
 
 
 dataloaders = trainer_procs.spawn("dataloader", DataLoader)
-dtrainers = trainer_procs.spawn("dtrainers", DTrainer, dataloaders)
+dtrainers = trainer_procs.spawn("dtrainers", Trainer, dataloaders)
 print(dtrainers.step.call().get())
 
 

@@ -318,7 +318,8 @@ def spawn(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs: dict) -> A
         raise ValueError(f"spawn(name={name!r}, ...): give the actors a name (a non-empty string)")
     if not (isinstance(cls, type) and issubclass(cls, Actor)):
         raise TypeError(f"spawn({name!r}, {cls!r}): the class must subclass monarch.actor.Actor")
-    inboxes = _worker_fn("spawn", procs).start((name, cls, args, kwargs), {}, name=f"{name}.__init__").result()
+    spawning = _worker_fn("spawn", procs).start((name, cls, args, kwargs), {}, name=f"{name}.__init__", sources_of=cls)
+    inboxes = spawning.result()
     known = procs.spawned.actors
     _, ranks = known.get(name, ("", frozenset()))
     known[name] = (cls.__name__, ranks | frozenset(procs._shape.ranks))

@@ -257,10 +257,11 @@ class Worker:
         _log.debug("call %d started", call_id)
         ok, value = True, None
         try:
-            if msg.fn is not None:
-                for filename, lines in (msg.sources or {}).items():
+            if msg.sources:  # (with the function, or for code it is given: an actor class)
+                for filename, lines in msg.sources.items():
                     linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
                 errors.KNOWN_CELLS.update(msg.cells or {})  # pdb and stacks name them as the notebook does
+            if msg.fn is not None:
                 try:
                     self.fns[msg.fid] = cloudpickle.loads(msg.fn)
                 except BaseException as e:
