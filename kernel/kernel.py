@@ -26,6 +26,9 @@ class MonarchKernel(IPythonKernel):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.shell.extension_manager.load_extension("monarch.extension")
+        from monarch.runtime.controller import prewarm
+
+        prewarm()  # the workers' fork server imports torch while the user writes the first cell
         history = self.shell.history_manager
         if history is not None and history.db_cache_size == 0:
             # Write input history in batches (and at shutdown), not once per cell: on a small

@@ -484,3 +484,36 @@ def test_a_flood_keeps_a_bounded_tail_in_the_notebook_and_all_of_it_in_a_file(ke
     assert f"; all its text is in {path} …" in final["text/plain"], final["text/plain"][:400]
     assert "line 04999" in final["text/plain"] and "line 00000" not in final["text/plain"]
     assert oct(path.parent.stat().st_mode & 0o777) == "0o700"
+
+
+def _fork_server_of(kernel_pid: int) -> list[int]:
+    """The monarch fork servers the kernel `kernel_pid` started (their title names it)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if cmd.startswith(f"monarch fork server (controller {kernel_pid})"):
+                found.append(int(name))
+    return found
+
+
+def test_the_kernel_starts_the_fork_server_before_the_first_cell_and_it_preloads_ipythons_display(monkeypatch):
+    """MONARCH_PREWARM (default 1): the fork server (torch imported once) starts with the kernel, so the first
+    mesh does not wait for torch; the workers forked from a kernel's fork server have IPython's display
+    imported already (a `%%mesh` cell routes it), instead of 8 workers importing it at once on the first cell."""
+    with monarch_kernel() as k:
+        wait_for(lambda: _fork_server_of(k.pid), what="the kernel's fork server")
+        code = (
+            "import monarch, sys\nfrom monarch.actor import this_host\nm = this_host().spawn_procs({'gpu': 2})\n"
+            "print(list(monarch.remote(lambda: 'IPython.display' in sys.modules).on(m)()))\nm.exit()"
+        )
+        r = k.run(code)
+        assert r.status == "ok" and "[True, True]" in r.text(), r.text()
+    monkeypatch.setenv("MONARCH_PREWARM", "0")
+    with monarch_kernel() as k:
+        assert k.run("1").status == "ok"  # the kernel is up: a prewarm would have started the server by now
+        assert _fork_server_of(k.pid) == []

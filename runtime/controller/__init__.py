@@ -26,6 +26,7 @@ __all__ = [
     "current",
     "get_controller",
     "on_create",
+    "prewarm",
 ]
 
 _controller: Controller | None = None
@@ -49,3 +50,17 @@ def current() -> Controller | None:
     """This process's running controller, or None (nothing was spawned yet, or it was shut down)."""
     c = _controller
     return c if c is not None and not c.closed else None
+
+
+def prewarm() -> None:
+    """Start this machine's fork server now, in the background (it imports torch; the first mesh's workers
+    are forked from it), unless `MONARCH_PREWARM=0`: the Monarch kernel calls it as it starts, so the first
+    `%%mesh` cell does not wait for torch's import. Never raises (a bad setting says so at the first spawn)."""
+    from monarch.runtime.common.config import settings
+    from monarch.runtime.procs.workers import fork_server
+
+    try:
+        if settings().prewarm:
+            fork_server()
+    except Exception:  # (a bad MONARCH_* value, an unusable multiprocessing setup: the first spawn says why)
+        pass

@@ -378,9 +378,16 @@ def fork_server():
         _mp_dir = config["tempdir"] = private_dir("monarch-mp-")
         atexit.register(shutil.rmtree, _mp_dir, True)
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["monarch.runtime.worker.preload"])
+    ctx.set_forkserver_preload(["monarch.runtime.worker.preload", *_for_cells()])
     multiprocessing.forkserver.ensure_running()
     return _WorkerProcess
+
+
+def _for_cells() -> list[str]:
+    """What a `%%mesh` cell imports on a worker (IPython's display, ~0.25 s each, 8 workers at once on the
+    first cell): imported once by the fork server instead, when the controller runs in IPython (a kernel,
+    where cells run). A script's fork server does without (a name that fails to import is skipped)."""
+    return ["IPython.display", "IPython.core.display_functions"] if "IPython" in sys.modules else []
 
 
 def warm_fork_server() -> int:
