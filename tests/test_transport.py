@@ -155,3 +155,40 @@ def _read_cmd_for(ctl, seconds: float) -> list:
         out = ctl.read_cmd()
         time.sleep(0.01)
     return out
+
+
+def test_a_workers_hello_read_before_other_workers_subscriptions_keeps_each_on_its_connection(tmp_path):
+    """libzmq's XPUB_MANUAL pairs a received message with its connection only for (un)subscriptions, but takes
+    the next pairing at every receive: a plain upstream hello read before two other workers' subscriptions made
+    rank 1's topic apply to rank 2's connection (rank 1 never got its commands; rank 2 got them). A hello is
+    subscription-shaped (`keys.HELLO`), so the pairings hold. Here the order is made certain: the fake workers
+    are inproc sockets, whose messages are queued at the controller's socket in the order sent."""
+    from monarch.runtime.common.config import from_env
+    from monarch.runtime.wire.controller_end import ControllerTransport
+    from monarch.runtime.wire.keys import HELLO
+
+    os.chmod(tmp_path, 0o700)
+    ctl = ControllerTransport(from_env({}), str(tmp_path))
+    keys = ctl.add_mesh(9, 3)
+    ctl.cmd.bind("inproc://test-hello-pairing")
+    socks = []
+    try:
+        for k in keys:  # rank 0 subscribes and says hello, then ranks 1 and 2 subscribe
+            s = ctl.ctx.socket(zmq.XSUB)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect("inproc://test-hello-pairing")
+            for topic in (k.mesh_topic, k.rank_topic):
+                s.send(b"\x01" + topic)
+            if k.rank == 0:
+                (frame,) = codec.encode(k.key, k.mesh_id, k.rank, 1, protocol.pack(protocol.Ready({"pid": 1})))
+                s.send(HELLO + frame)
+            socks.append(s)
+        assert [type(e.message).__name__ for e in _read_cmd_for(ctl, 10.0)] == ["Ready"]
+        ctl.send(9, (1,), protocol.Exit())  # to rank 1 alone: its own topic
+        assert socks[1].poll(5000) and not socks[2].poll(200) and not socks[0].poll(0)
+    finally:
+        for s in socks:
+            s.close(0)
+        ctl.close()
+        ctl.close_store()
+        ctl.terminate()

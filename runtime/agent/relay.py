@@ -139,9 +139,11 @@ class Relay:
                     self._upstream.add(topic)
                     self.up_cmd.send(b"\x01" + topic)
             return
-        if kind == UPSTREAM:  # a worker's start-up message, behind its subscriptions
-            self.up_cmd.send_multipart(frames, copy=False)
-        # (an unsubscription, made when a worker's connection closes, stays here)
+        if bytes(first[1:2]) == UPSTREAM and kind in (b"\x01", b"\x00") and len(frames) == 1:
+            # a worker's start-up message (`keys.HELLO`, behind its subscriptions), or its taking it back:
+            # up as it came (subscription-shaped on every hop, so each XPUB_MANUAL keeps its pairings)
+            self.up_cmd.send(first)
+        # (an unsubscription of a topic, made when a worker's connection closes, stays here)
 
     def _replies(self) -> None:
         try:

@@ -31,7 +31,7 @@ from monarch.runtime.common.config import Settings
 from monarch.runtime.common.log import RateLimitedLog
 from monarch.runtime.wire import codec, protocol
 from monarch.runtime.wire.hold import HOLD, MAIN, _Swap
-from monarch.runtime.wire.keys import TOPIC, UPSTREAM, AgentCurve, ServerCurve, WorkerKeys
+from monarch.runtime.wire.keys import HELLO, TOPIC, UPSTREAM, AgentCurve, ServerCurve, WorkerKeys
 from monarch.runtime.wire.links import heartbeat
 
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -384,19 +384,23 @@ class ControllerTransport:
                     return out
                 first = frames[0].buffer
                 kind = bytes(first[:1])
+                if bytes(first[:2]) == HELLO and len(frames) == 1:  # a worker's start-up message (keys.HELLO)
+                    kind, frames[0] = UPSTREAM, first[1:]
+                    first = frames[0]
                 if kind != UPSTREAM:  # a subscription (\x01 + topic), an unsubscription (\x00), or junk
-                    if len(frames) != 1 or kind not in (b"\x00", b"\x01") or len(first) > 1 + TOPIC:
+                    if kind == b"\x00" and len(frames) == 1:
+                        continue  # an unsubscription: libzmq makes them when a worker's connection closes, and a
+                        # worker takes its hello back with one
+                    if len(frames) != 1 or kind != b"\x01" or len(first) > 1 + TOPIC:
                         self.log("junk", f"{len(first)} bytes came up the command socket")
                         continue
-                    if kind == b"\x00":
-                        continue  # an unsubscription (libzmq makes them when a worker's connection closes)
                     topic = bytes(first[1:])
                     if topic not in self._topics:
                         self.log("a subscription", f"a {len(topic)}-byte topic that is not one of a running mesh's")
                     else:
                         cmd.setsockopt(zmq.SUBSCRIBE, topic)  # (applies to the connection it came on)
                     continue
-                frames[0] = frames[0].buffer[1:]
+                frames[0] = first[1:]
                 env = self._verify(frames, upstream=True)
                 if env is not DROPPED:
                     out.append(env)

@@ -36,6 +36,13 @@ TOPIC = 16
 """Bytes in a topic."""
 UPSTREAM = b"\x02"
 """First byte of a message that workers send up the command socket (0 and 1 mean (un)subscribe)."""
+HELLO = b"\x01" + UPSTREAM
+"""First bytes of a worker's start-up message up the command socket: shaped as a subscription. libzmq's
+XPUB_MANUAL pairs each message it hands over with the connection it came on only for (un)subscriptions, yet
+takes the next pairing at every receive: a plain upstream message read before two subscriptions made the first
+of them apply to the second's connection (one worker never got its commands, another got them). With every
+message up the command socket subscription-shaped, the pairing holds. (A plain `UPSTREAM` hello is still
+taken, from an agent of a job reserved before.)"""
 
 
 class ServerCurve:

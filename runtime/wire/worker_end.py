@@ -13,7 +13,7 @@ import zmq
 
 from monarch.runtime.common.log import RateLimitedLog
 from monarch.runtime.wire import codec, protocol
-from monarch.runtime.wire.keys import TOPIC, UPSTREAM, WorkerKeys, curve_client
+from monarch.runtime.wire.keys import HELLO, TOPIC, WorkerKeys, curve_client
 
 
 class WorkerTransport:
@@ -46,10 +46,13 @@ class WorkerTransport:
 
     def hello(self, message: Any) -> None:
         """A start-up message (`Ready`, `StartFailed`) up the command connection: behind this worker's
-        subscriptions on the same connection, so when it arrives, commands reach the worker. Main thread."""
+        subscriptions on the same connection, so when it arrives, commands reach the worker. Shaped as a
+        subscription (`keys.HELLO`), then taken back (an unsubscription of the same bytes: the controller
+        drops it), so it stays in no subscription list. Main thread."""
         with self._lock:
-            frames = self._encode(message, None)
-        self.cmd.send_multipart([UPSTREAM + frames[0], *frames[1:]])
+            (frame,) = self._encode(message, None)  # (start-up messages have no body: one frame)
+        self.cmd.send(HELLO + frame)
+        self.cmd.send(b"\x00" + HELLO[1:] + frame)
 
     def send(self, message: Any, body: Sequence[bytes | memoryview] | None = None) -> None:
         """Send `message` up (any thread)."""
