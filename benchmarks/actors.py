@@ -17,7 +17,8 @@ monarch, torchmonarch, torchmonarch, monarch; each figure is the mean of its two
   (messages from one sender run in order): issued per second, and per second until that answer (median of 3);
 - the floor, in the same run, before and after the actors (mean): a raw pyzmq round trip between one process
   and 8 forked processes over IPC (a ROUTER bound by the parent, a DEALER in each child; one small message to
-  each, each echoes it), median. Our call() is reported as a ratio to it (issue 28's target: 1.5x at most).
+  each, each echoes it: `rtt_router` in benchmarks/floor.py), median. Our call() is reported as a ratio to it
+  (issue 28's target: 1.5x at most).
 
 Ratios: how much better monarch is (torchmonarch's time / monarch's, monarch's rate / torchmonarch's).
 """
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import textwrap
 
+import floor  # benchmarks/floor.py: the raw pyzmq echo, the floor
 from run import ROUND_TRIPS, N, abba, header, measure, peer_env, print_rows  # benchmarks/run.py, next to this file
 
 BROADCASTS = 5000
@@ -38,14 +40,8 @@ BROADCAST_TARGET = 50_000
 FLOOR_TARGET = 1.5
 """Our call() to 8 actors at most this many times the raw pyzmq round trip (issue 28)."""
 
-ACTORS = textwrap.dedent(
+CLASSES = textwrap.dedent(
     """
-    import json, statistics, time
-    t0 = time.perf_counter()
-    from monarch.actor import Actor, endpoint, this_host
-    imported = time.perf_counter() - t0
-
-
     class Noop(Actor):
         def __init__(self):
             self.n = 0
@@ -63,10 +59,9 @@ ACTORS = textwrap.dedent(
             return self.n
 
 
-    class Caller(Actor):  # holds a reference to the Noop actors (its constructor's argument), times calls to one
-
+    class Caller(Actor):  # holds a reference to the Noop actors (its constructor's argument), times calls to TARGET
         def __init__(self, others):
-            self.other = others.slice(**{DIM: 1})
+            self.other = others.slice(**TARGET)
 
         @endpoint
         def ping(self, n):
@@ -78,14 +73,6 @@ ACTORS = textwrap.dedent(
             return statistics.median(ts)
 
 
-    def spawn():
-        t0 = time.perf_counter()
-        procs = this_host().spawn_procs(PER_HOST)
-        actors = procs.spawn("noop", Noop)
-        actors.noop.call().get()
-        return procs, actors, time.perf_counter() - t0
-
-
     def round_trips(f):
         for _ in range(50):
             f()
@@ -94,6 +81,31 @@ ACTORS = textwrap.dedent(
         for _ in range(ROUND_TRIPS):
             t0 = time.perf_counter(); f(); ts.append(time.perf_counter() - t0)
         return statistics.median(ts), (time.process_time() - cpu) / ROUND_TRIPS
+
+
+    """
+)
+"""The actors both scripts use: `Noop`, and `Caller`, which times `call_one()`s to `TARGET` of the Noop actors
+it was given (each script sets `TARGET`); `round_trips(f)`: median and CPU per call of `f`."""
+
+ACTORS = (
+    textwrap.dedent(
+        """
+    import json, statistics, time
+    t0 = time.perf_counter()
+    from monarch.actor import Actor, endpoint, this_host
+    imported = time.perf_counter() - t0
+    """
+    )
+    + CLASSES
+    + textwrap.dedent(
+        """
+    def spawn():
+        t0 = time.perf_counter()
+        procs = this_host().spawn_procs(PER_HOST)
+        actors = procs.spawn("noop", Noop)
+        actors.noop.call().get()
+        return procs, actors, time.perf_counter() - t0
 
 
     procs, actors, first = spawn()
@@ -125,112 +137,31 @@ ACTORS = textwrap.dedent(
     print(json.dumps(out), flush=True)
     STOP(procs)
     """
+    )
 )
 
-OURS = 'PER_HOST = {"gpu": N}\nDIM = "gpu"\nSTOP = lambda p: p.exit()\n'
-THEIRS = 'PER_HOST = {"gpus": N}\nDIM = "gpus"\nSTOP = lambda p: p.stop().get()\n'
+OURS = 'PER_HOST = {"gpu": N}\nDIM = "gpu"\nTARGET = {"gpu": 1}\nSTOP = lambda p: p.exit()\n'
+THEIRS = 'PER_HOST = {"gpus": N}\nDIM = "gpus"\nTARGET = {"gpus": 1}\nSTOP = lambda p: p.stop().get()\n'
 
-FLOOR = textwrap.dedent(
-    """
-    import json, os, signal, statistics, tempfile, time
-    import zmq
-
-    addr = "ipc://" + os.path.join(tempfile.mkdtemp(prefix="floor-"), "echo")
-    pids = []
-    for i in range(N):
-        pid = os.fork()
-        if pid == 0:  # the child: echo every message until told to stop
-            ctx = zmq.Context()
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.IDENTITY, b"w%d" % i)
-            s.connect(addr)
-            s.send(b"ready")
-            while (m := s.recv()) != b"exit":
-                s.send(m)
-            s.close(linger=0); ctx.term()
-            os._exit(0)
-        pids.append(pid)
-    ctx = zmq.Context()
-    r = ctx.socket(zmq.ROUTER)
-    r.bind(addr)
-    ids = [r.recv_multipart()[0] for _ in range(N)]
-
-
-    def round_trip():
-        for i in ids:
-            r.send_multipart([i, b"x"])
-        for _ in ids:
-            r.recv_multipart()
-
-
-    for _ in range(50):
-        round_trip()
-    ts = []
-    for _ in range(ROUND_TRIPS):
-        t0 = time.perf_counter(); round_trip(); ts.append(time.perf_counter() - t0)
-    for i in ids:
-        r.send_multipart([i, b"exit"])
-    for pid in pids:
-        os.waitpid(pid, 0)
-    print(json.dumps({"floor": statistics.median(ts)}), flush=True)
-    """
-)
-
-
-HOSTS = textwrap.dedent(
-    """
+HOSTS = (
+    textwrap.dedent(
+        """
     import json, statistics, time
     import monarch.notebook
     from monarch.actor import Actor, endpoint
-
-
-    class Noop(Actor):
-        def __init__(self):
-            self.n = 0
-
-        @endpoint
-        def noop(self):
-            return None
-
-        @endpoint
-        def count(self):
-            self.n += 1
-
-        @endpoint
-        def seen(self):
-            return self.n
-
-
-    class Caller(Actor):  # times calls to an actor on the other host
-        def __init__(self, others):
-            self.other = others.slice(host=1, gpu=0)
-
-        @endpoint
-        def ping(self, n):
-            for _ in range(50):
-                self.other.noop.call_one().get()
-            ts = []
-            for _ in range(n):
-                t0 = time.perf_counter(); self.other.noop.call_one().get(); ts.append(time.perf_counter() - t0)
-            return statistics.median(ts)
-
-
-    def round_trips(f):
-        for _ in range(50):
-            f()
-        ts = []
-        for _ in range(ROUND_TRIPS):
-            t0 = time.perf_counter(); f(); ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
-
-
+    TARGET = {"host": 1, "gpu": 0}
+    """
+    )
+    + CLASSES
+    + textwrap.dedent(
+        """
     job = monarch.notebook.reserve(2, name="bench-actors", timeout=120)
     try:
         procs = job.spawn_procs({"gpu": N // 2})
         actors = procs.spawn("noop", Noop)
-        call = round_trips(lambda: actors.noop.call().get())
+        call, _ = round_trips(lambda: actors.noop.call().get())
         one = actors.slice(host=1, gpu=0)
-        call_one = round_trips(lambda: one.noop.call_one().get())
+        call_one, _ = round_trips(lambda: one.noop.call_one().get())
         a2a = procs.spawn("callers", Caller, actors).slice(host=0, gpu=0).ping.call_one(ROUND_TRIPS).get()
         t0 = time.perf_counter()
         for _ in range(BROADCASTS):
@@ -244,6 +175,7 @@ HOSTS = textwrap.dedent(
     print(json.dumps({"call": call, "call_one": call_one, "a2a": a2a, "issued": BROADCASTS / (t1 - t0),
                       "total": BROADCASTS / (t2 - t0)}))
     """
+    )
 )
 
 
@@ -273,14 +205,14 @@ def side(python: str, prelude: str, env: dict | None = None) -> dict | None:
 
 
 def run_all() -> dict:
-    floor1 = measure(sys.executable, FLOOR)
+    floor1 = floor.rtt_router()
     tm = os.environ.get("TORCHMONARCH_PYTHON")
     if tm:
         ours, theirs = abba(lambda: side(sys.executable, OURS), lambda: side(tm, THEIRS, peer_env()))
     else:
         ours, theirs = side(sys.executable, OURS), None
-    floor2 = measure(sys.executable, FLOOR)
-    floors = [f["floor"] for f in (floor1, floor2) if f]
+    floor2 = floor.rtt_router()
+    floors = [f for f in (floor1, floor2) if f is not None]
     results = {"monarch": ours, "torchmonarch": theirs, "floor": sum(floors) / len(floors) if floors else None}
     results["hosts"] = hosts()
     if tm:

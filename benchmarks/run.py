@@ -9,7 +9,9 @@
     ./run bench --before REV    # adds this project at git revision REV ("monarch before"), installed
                                 # beside the checkout, measured in the same run (a change's before/after)
 
-Each figure comes from fresh processes in this run; ratios are peer / monarch (higher is better).
+Each figure comes from fresh processes in this run; ratios are peer / monarch (higher is better). The hardware
+floor (benchmarks/floor.py: raw pyzmq round trips and bare forks, no monarch) is measured first, in the same run,
+and each headline figure is followed by its ratio to its floor ("÷ floor") and issue 29's target where it has one.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from collections.abc import Callable
 
 N = 8
 ROUND_TRIPS = 500
+FLOOR_TARGET = 1.5
+"""Issue 29: a no-op call on N workers at most this many times the raw pyzmq round trip to N forks."""
 
 MONARCH = textwrap.dedent(
     """
@@ -228,6 +232,48 @@ def print_rows(results: dict, rows: list[tuple[str, str, str, float]]) -> None:
         print(f"{title}: " + " | ".join(parts))
 
 
+def _times(x: float) -> str:
+    return f"{x:.1f}x" if x < 10 else f"{x:.0f}x"
+
+
+def print_floor_ratio(
+    results: dict, key: str, floor: float | None, what: str, target: str = "", label: str = ""
+) -> None:
+    """The line under a headline figure: each side's `key` ÷ this run's `floor` (seconds), and `target`."""
+    if not floor:
+        print(f"  {label}÷ floor: not measured (the floor, {what}, failed above){target}")
+        return
+    unit = f"{floor * 1e3:.3g} ms" if floor >= 1e-3 else f"{floor * 1e6:.3g} µs"
+    parts = [f"{side} {_times(res[key] / floor)}" for side, res in results.items() if res and key in res]
+    print(f"  {label}÷ floor ({what}: {unit}): " + " | ".join(parts) + target)
+
+
+def print_headline(results: dict, floors: dict) -> None:
+    """The headline rows (`print_rows`), each followed by its ratio to the floor and issue 29's target."""
+    ours, tm = results["monarch"], results.get("torchmonarch")
+    forks = f"{N} forks of a process with only the stdlib and pyzmq, to their hellos"
+    if tm:
+        met = "met" if ours["cold"] <= tm["cold"] else "not met"
+    else:
+        met = "torchmonarch not measured"
+    print_rows(results, [("cold spawn of 8 workers to ready (torch imported, group up)", "cold", "s", 1)])
+    print_floor_ratio(
+        results, "cold", floors.get("spawn"), forks, f"; target (issue 29): no slower than torchmonarch's: {met}"
+    )
+    print_rows(results, [("second mesh's spawn (8 workers; monarch's: median of 5)", "second", "s", 1)])
+    print_floor_ratio(results, "second", floors.get("spawn"), forks)
+    print_rows(results, [("no-op call on 8 workers, round trip (median)", "rtt", "ms", 1e3)])
+    rtt = floors.get("rtt")
+    met = "?" if not rtt else "met" if ours["rtt"] / rtt <= FLOOR_TARGET else "not met"
+    print_floor_ratio(
+        results,
+        "rtt",
+        rtt,
+        f"raw pyzmq round trip to {N} forks, XPUB/XSUB down and PUSH/PULL up as ours",
+        f"; target (issue 29): <= {FLOOR_TARGET}x: {met}",
+    )
+
+
 def header() -> None:
     """What a benchmark prints first: the machine; and quiet logging."""
     logging.disable(logging.WARNING)
@@ -240,6 +286,10 @@ def main() -> None:
     before = install_before(sys.argv[sys.argv.index("--before") + 1]) if "--before" in sys.argv else None
     if before:
         install_now()
+    import floor  # benchmarks/floor.py (it imports this module: imported here, not at the top)
+
+    floors = floor.floors()  # before our side, in the same run
+    print(floor.describe(floors))
     if before:
         now, earlier = abba(
             lambda: measure(sys.executable, MONARCH), lambda: measure(sys.executable, MONARCH, before_env(before))
@@ -253,12 +303,7 @@ def main() -> None:
         results["torchmonarch"] = measure(tm, TORCHMONARCH, peer_env())
     ours = results["monarch"]
     assert ours is not None, "monarch benchmark failed"
-    rows = [
-        ("cold spawn of 8 workers to ready (torch imported, group up)", "cold", "s", 1),
-        ("second mesh's spawn (8 workers; monarch's: median of 5)", "second", "s", 1),
-        ("no-op call on 8 workers, round trip (median)", "rtt", "ms", 1e3),
-    ]
-    print_rows(results, rows)
+    print_headline(results, floors)
     if "--no-kernel" not in sys.argv:
         import kernel_cell
 
@@ -266,7 +311,11 @@ def main() -> None:
     if "--no-tensors" not in sys.argv:
         import tensor_engine
 
-        tensor_engine.report(tensor_engine.measure(before=before))
+        engine = tensor_engine.measure(before=before)
+        tensor_engine.report(engine)
+        print_floor_ratio(
+            engine, "inspect", floors.get("rtt_one"), "raw pyzmq round trip to one fork, as ours", label="inspect "
+        )
     if "--no-faults" not in sys.argv:
         import faults
 
