@@ -327,6 +327,13 @@ def test_in_the_notebook_pdb_serves_an_endpoint_and_ctrl_c_interrupts_a_waiting_
         r = k.run("list(steppers.ping.call().get())")
         assert r.status == "ok" and "['pong', 'pong']" in r.text(), r.text()
         assert k.run("procs.exit()").status == "ok"
+        # actors on the mesh `%%mesh` cells run on, beside the cells' namespace
+        assert k.run("%%mesh gpu=2\nx = 10 * rank").status == "ok"
+        r = k.run("cells = get_ipython().run_line_magic('mesh', 'status').mesh\n"
+                  "list(cells.spawn('pingers', Stepper).ping.call().get())")  # fmt: skip
+        assert r.status == "ok" and "['pong', 'pong']" in r.text(), r.text()
+        r = k.run("%%mesh\nx")
+        assert r.status == "ok" and "gpu=1        10" in r.text(), r.text()  # the namespace survived the actors
 
 
 def test_the_mesh_table_lists_each_processs_actors(procs):
