@@ -369,7 +369,7 @@ def clean_stale_dirs(root: str | None = None) -> list[str]:
 _mp_dir: str | None = None
 
 
-def fork_server():
+def fork_server() -> type[_WorkerProcess]:
     """Start the fork server (once per process), its address in a directory of ours; returns the process
     class that forks from it. It imports torch while the caller carries on."""
     global _mp_dir
