@@ -8,6 +8,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 import zmq
 
 import monarch
@@ -157,19 +158,28 @@ def _read_cmd_for(ctl, seconds: float) -> list:
     return out
 
 
-def test_a_workers_hello_read_before_other_workers_subscriptions_keeps_each_on_its_connection(tmp_path):
+@pytest.mark.parametrize("first_byte", [None, 2], ids=["random-topics", "topics-starting-like-a-hello"])
+def test_a_workers_hello_read_before_other_workers_subscriptions_keeps_each_on_its_connection(
+    tmp_path, monkeypatch, first_byte
+):
     """libzmq's XPUB_MANUAL pairs a received message with its connection only for (un)subscriptions, but takes
     the next pairing at every receive: a plain upstream hello read before two other workers' subscriptions made
     rank 1's topic apply to rank 2's connection (rank 1 never got its commands; rank 2 got them). A hello is
     subscription-shaped (`keys.HELLO`), so the pairings hold. Here the order is made certain: the fake workers
-    are inproc sockets, whose messages are queued at the controller's socket in the order sent."""
+    are inproc sockets, whose messages are queued at the controller's socket in the order sent. A topic may
+    begin with the hello's second byte (1 in 256): it is still a subscription (a hello is longer)."""
     from monarch.runtime.common.config import from_env
+    from monarch.runtime.wire import controller_end
     from monarch.runtime.wire.controller_end import ControllerTransport
     from monarch.runtime.wire.keys import HELLO
 
+    if first_byte is not None:  # every topic starts with the hello's second byte: still a subscription
+        urandom = os.urandom
+        monkeypatch.setattr(controller_end.os, "urandom", lambda n: bytes([first_byte]) + urandom(n - 1))
     os.chmod(tmp_path, 0o700)
     ctl = ControllerTransport(from_env({}), str(tmp_path))
     keys = ctl.add_mesh(9, 3)
+    monkeypatch.undo()
     ctl.cmd.bind("inproc://test-hello-pairing")
     socks = []
     try:

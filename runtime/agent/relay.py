@@ -139,7 +139,7 @@ class Relay:
                     self._upstream.add(topic)
                     self.up_cmd.send(b"\x01" + topic)
             return
-        if bytes(first[1:2]) == UPSTREAM and kind in (b"\x01", b"\x00") and len(frames) == 1:
+        if bytes(first[1:2]) == UPSTREAM and kind in (b"\x01", b"\x00") and len(first) > 1 + TOPIC and len(frames) == 1:
             # a worker's start-up message (`keys.HELLO`, behind its subscriptions), or its taking it back:
             # up as it came (subscription-shaped on every hop, so each XPUB_MANUAL keeps its pairings)
             self.up_cmd.send(first)

@@ -384,7 +384,9 @@ class ControllerTransport:
                     return out
                 first = frames[0].buffer
                 kind = bytes(first[:1])
-                if bytes(first[:2]) == HELLO and len(frames) == 1:  # a worker's start-up message (keys.HELLO)
+                if bytes(first[:2]) == HELLO and len(first) > 1 + TOPIC and len(frames) == 1:
+                    # a worker's start-up message (keys.HELLO; longer than any subscription, whose topic may
+                    # start with the same byte)
                     kind, frames[0] = UPSTREAM, first[1:]
                     first = frames[0]
                 if kind != UPSTREAM:  # a subscription (\x01 + topic), an unsubscription (\x00), or junk

@@ -41,8 +41,9 @@ HELLO = b"\x01" + UPSTREAM
 XPUB_MANUAL pairs each message it hands over with the connection it came on only for (un)subscriptions, yet
 takes the next pairing at every receive: a plain upstream message read before two subscriptions made the first
 of them apply to the second's connection (one worker never got its commands, another got them). With every
-message up the command socket subscription-shaped, the pairing holds. (A plain `UPSTREAM` hello is still
-taken, from an agent of a job reserved before.)"""
+message up the command socket subscription-shaped, the pairing holds. A hello is told from a subscription by
+its length (a signed message is longer than `1 + TOPIC`: a topic may start with this byte too). (A plain
+`UPSTREAM` hello is still taken, from an agent of a job reserved before.)"""
 
 
 class ServerCurve:
