@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import zmq
@@ -16,7 +15,7 @@ import zmq
 import monarch.notebook
 from monarch.actor import Actor, context, endpoint
 
-from conftest import REPO, wait_gone, worker_pids
+from conftest import REPO, wait_for, wait_gone, worker_pids
 from helpers.slurm_cluster import missing, running
 
 WHY = missing()
@@ -63,10 +62,7 @@ def test_monarchs_getting_started_runs_as_its_users_write_it(job, tmp_path):
             assert f"Trainer {{'host': {h}, 'gpus': {g}}} taking a step." in out, out
     assert out.count("'Step with data <fake data 1> and input = None'") == 8, out  # each trainer's own loader
     assert "It didn't say hello" in out and out.rstrip().endswith("done"), out
-    deadline = time.monotonic() + 10
-    while _monarch_procs(str(tmp_path)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _monarch_procs(str(tmp_path)) == set()  # its workers went with it
+    wait_for(lambda: not _monarch_procs(str(tmp_path)), 10, "the script's workers gone with it")
 
 
 class Where(Actor):
