@@ -112,13 +112,44 @@ def test_waiting_for_a_long_call_does_not_burn_cpu(mesh8):
         time.sleep(seconds)
 
     receiver = get_controller().receiver
-    nap.on(mesh8)(0)
-    before = receiver.polls
-    nap.on(mesh8)(1.0)
-    polls = receiver.polls - before
+    cpus, receiver.cpus = receiver.cpus, len(mesh8) + 1  # (as on a machine where polling pays)
+    try:
+        nap.on(mesh8)(0)
+        before = receiver.polls
+        nap.on(mesh8)(1.0)
+        polls = receiver.polls - before
+    finally:
+        receiver.cpus = cpus
+    assert polls > 0
     # polling before every 20 ms sleep would be ~50 polls; polling only at the start and while the burst
     # of 8 replies comes in at the end (once after each) is about 9
     assert polls <= len(mesh8) + 3, f"the waiting caller polled {polls} times in a 1 s wait"
+
+
+def test_a_caller_polls_for_replies_only_while_its_workers_leave_a_cpu_free(mesh8):
+    """Polling for replies takes a CPU: with as many local workers as CPUs it would take one from the workers
+    it waits for, so the caller sleeps at once; with a CPU to spare, it polls."""
+
+    @monarch.remote
+    def noop():
+        return None
+
+    receiver = get_controller().receiver
+    cpus = receiver.cpus
+    try:
+        receiver.cpus = len(mesh8)
+        before = receiver.polls
+        for _ in range(20):
+            noop.on(mesh8)()
+        assert receiver.polls == before, "the caller polled while its 8 workers had every CPU"
+        noop.on(mesh8.slice(gpu=0))()
+        assert receiver.polls > before, "a call to one worker with 7 CPUs to spare was not polled for"
+        receiver.cpus = len(mesh8) + 1
+        before = receiver.polls
+        noop.on(mesh8)()
+        assert receiver.polls > before, "the caller did not poll though a CPU was free beside its workers"
+    finally:
+        receiver.cpus = cpus
 
 
 def test_output_that_overtakes_a_workers_ready_does_not_get_ready_dropped(tmp_path):

@@ -80,6 +80,11 @@ class Backend(ABC):
         """Whether the mesh's workers are on more than one host (a release must then reach them all)."""
         return False
 
+    def workers_here(self, mesh_id: int, ranks: tuple[int, ...]) -> int:
+        """How many of `ranks` run on this machine, sharing its CPUs with the controller (a caller polling for
+        their replies takes a CPU from them)."""
+        return len(ranks)
+
     @abstractmethod
     def stop(self, mesh_id: int, graceful: bool) -> dict[int, int | None]:
         """Stop a mesh's workers (asking first when `graceful`, then killing) and wait until they are gone;

@@ -383,6 +383,10 @@ class HostsBackend(Backend):
         mesh = self.meshes.get(mesh_id)
         return mesh is not None and len(mesh.hosts) > 1
 
+    def workers_here(self, mesh_id: int, ranks: tuple[int, ...]) -> int:
+        here = socket.gethostname()
+        return sum(len(rs) for i, rs in self._by_host(mesh_id, ranks).items() if self.hosts[i].record.host == here)
+
     def control(self, mesh_id: int, ranks: tuple[int, ...], call_id: int, kind: Control) -> None:
         for i, rs in self._by_host(mesh_id, ranks).items():
             self._send(i, protocol.SignalWorkers(mesh_id, rs, call_id, int(kind)))

@@ -34,7 +34,8 @@ class Settings:
     """[MONARCH_GROUP_TIMEOUT] Seconds a collective (and the rendezvous store) waits for the other ranks."""
     spin: float = 0.0005
     """[MONARCH_SPIN_US, in µs] How long a caller waiting for replies polls for them before it sleeps;
-    waking a sleeping thread costs tens of µs on a VM. 0 turns polling off."""
+    waking a sleeping thread costs tens of µs on a VM. Only when the workers it waits for leave this machine
+    a CPU free (else polling takes a CPU from them). 0 turns polling off."""
     send_hwm: int = 1000
     """[MONARCH_SEND_HWM] Commands queued for one worker that has not taken them yet; past this, senders
     wait for it (backpressure) instead of queueing more memory."""

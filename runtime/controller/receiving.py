@@ -50,6 +50,8 @@ class Receiver:
         self.controller = controller
         self.replies: Replies = controller.backend.replies
         self.spin = controller.settings.spin
+        self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        """CPUs this process may run on: a caller polls only while the workers it waits for leave one free."""
         self._rx_lock = self.replies.recv_lock  # held by the one thread that receives (an RLock: see wait())
         self._rx_count_lock = threading.Lock()
         self._rx_waiters = 0  # callers receiving for themselves in wait()
@@ -80,7 +82,8 @@ class Receiver:
         """Wait for a call's replies, receiving them on this thread; serve input requests meanwhile."""
         fut = pending.future
         deadline = None if timeout is None else time.monotonic() + timeout
-        spin = bool(self.spin)  # poll first; after a quiet stretch, just sleep
+        polling = self._polling_pays(pending)
+        spin = polling  # poll first; after a quiet stretch, just sleep
         counted = False
         HOLD.install()  # (over Python's default handler only) Ctrl-C is held while a reply is handled
         stdin = self.controller.stdin
@@ -100,7 +103,7 @@ class Receiver:
                     concurrent.futures.wait([fut], timeout=min(left, 0.002))
                     continue
                 try:
-                    spin = self._receive_until(fut, left, spin) and bool(self.spin)
+                    spin = self._receive_until(fut, left, spin, polling) and polling
                 finally:
                     self._rx_lock.release()
         finally:
@@ -110,6 +113,16 @@ class Receiver:
                 with self._rx_count_lock:
                     self._rx_waiters -= 1  # the background thread receives again within RX_HANDBACK
         return fut.result(0)
+
+    def _polling_pays(self, pending: PendingCall) -> bool:
+        """Whether to poll for `pending`'s replies before sleeping. Polling saves the wake-up of a sleeping
+        thread only when the workers it waits for have CPUs of their own beside the poller: 8 workers on 2
+        cores need both, and a poller there takes CPU from the very workers it waits for (a no-op call on
+        8 workers was 10-15% slower polling; `benchmarks/RESULTS.md`)."""
+        if not self.spin:
+            return False
+        mesh = pending.mesh
+        return mesh.backend.workers_here(mesh.mesh_id, pending.ranks) < self.cpus
 
     @contextlib.contextmanager
     def standing_aside(self) -> Iterator[None]:
@@ -124,23 +137,24 @@ class Receiver:
                 self._rx_waiters += 1
 
     def _receive_until(
-        self, fut: concurrent.futures.Future[dict[int, codec.Envelope]], timeout: float, spin: bool
+        self, fut: concurrent.futures.Future[dict[int, codec.Envelope]], timeout: float, spin: bool, polling: bool
     ) -> bool:
         """Handle replies as they come until `fut` is done, `timeout` passes with nothing received, or a
-        worker asks for input (the caller serves it). With `spin`, poll for `spin` seconds before each
-        sleep. False when the time ran out.
+        worker asks for input (the caller serves it). With `spin`, poll for `self.spin` seconds before the
+        first sleep; with `polling`, again after each reply (replies come in bursts). False when the time
+        ran out.
 
         On the main thread Ctrl-C is held while a message is handled (one landing between taking a
         reply off the socket and recording it would lose the reply), and raised right after."""
         held = threading.get_ident() == MAIN and HOLD.enter()
         try:
-            return self._receive_messages(fut, timeout, spin)
+            return self._receive_messages(fut, timeout, spin, polling)
         finally:
             if held:
                 HOLD.leave()
 
     def _receive_messages(
-        self, fut: concurrent.futures.Future[dict[int, codec.Envelope]], timeout: float, spin: bool
+        self, fut: concurrent.futures.Future[dict[int, codec.Envelope]], timeout: float, spin: bool, polling: bool
     ) -> bool:
         replies = self.replies
         replies.set_timeout(max(1, int(timeout * 1000)))
@@ -155,7 +169,7 @@ class Receiver:
                     return False
             if got is POKE or got is DROPPED:  # a poke: look at our call again
                 continue
-            spin = bool(self.spin)  # replies come in bursts: poll for the next one
+            spin = polling  # replies come in bursts: poll for the next one
             if self.handle(got):
                 return True
         return True
