@@ -9,7 +9,7 @@ Three parts, each in a fresh process (`run.measure`):
   a no-op `@monarch.remote` function (defined in `__main__`, so shipped by value, as in a notebook) called on N
   workers: on the controller, once per call, the function's pickle (`fnblob.function_blob`: its fingerprint
   checked, the kept pickle reused), the arguments (`codec.dumps(((), {}))`), `protocol.Call(...)` packed, and
-  `codec.encode` (the header pickled, HMAC-SHA256 over the frame); then once per reply (N of them)
+  `codec.encode` (the header pickled, the frame signed: keyed BLAKE2b); then once per reply (N of them)
   `codec.decode` (signature checked, header unpickled), `protocol.unpack` and `codec.loads` of the result; on a
   worker, `codec.decode` of the Call (its topic cut off as `WorkerTransport.recv` does), `protocol.unpack`,
   `codec.loads` of the arguments, and `codec.encode` of the packed `Reply`. Medians over BATCHES batches of
@@ -193,7 +193,7 @@ CONTROLLER_STEPS = (
     ("blob", "fnblob.function_blob of the no-op function (fingerprint checked, kept pickle)", 1),
     ("arguments", "codec.dumps(((), {})), the arguments", 1),
     ("build", "protocol.Call(...) + protocol.pack", 1),
-    ("encode_call", "codec.encode of the Call (header pickled, HMAC-SHA256)", 1),
+    ("encode_call", "codec.encode of the Call (header pickled, signed)", 1),
     ("decode_reply", f"codec.decode of a Reply (signature checked, header unpickled), x {N}", N),
     ("unpack_reply", f"protocol.unpack of a Reply, x {N}", N),
     ("load_result", f"codec.loads of a result (None), x {N}", N),

@@ -2,7 +2,7 @@
 
     <jobs>/<name>/            mode 0700 (jobs: MONARCH_JOBS_DIR, default ~/.monarch/jobs)
         job.json              what was asked for, the Slurm job id, the workspace
-        secret.json           mode 0600: the job's HMAC key and CURVE key pairs (never on a command line)
+        secret.json           mode 0600: the job's signing key and CURVE key pairs (never on a command line)
         agents/<index>.json   mode 0600: written by each host's agent once it listens: host, address, endpoints
         slurm-<id>.out        the batch job's output (the agents' logs)
 
@@ -39,7 +39,7 @@ def write_private(path: Path, data: Any) -> None:
 @dataclass(frozen=True)
 class Secret:
     key: bytes
-    """HMAC key of the controller-agent links."""
+    """Signing key of the controller-agent links."""
     curve: AgentCurve
 
     @classmethod

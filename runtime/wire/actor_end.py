@@ -33,7 +33,7 @@ class InboxAddress:
     public: bytes | None
     """Its CURVE server key (TCP only)."""
     key: bytes
-    """The HMAC key it checks (and signs its answers with)."""
+    """The signing key it checks (and signs its answers with)."""
 
 
 _seq = itertools.count(1)

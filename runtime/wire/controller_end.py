@@ -6,7 +6,7 @@
   nothing. A worker's full queue is backpressure (never a silent drop); one that stays full fails the
   mesh, saying so.
 - Replies, output and input requests come up a PULL socket with a bounded queue.
-- Every message is signed with its mesh's key (HMAC-SHA256) and checked before anything is unpickled;
+- Every message is signed with its mesh's key (`codec`: keyed BLAKE2b or HMAC-SHA256) and checked before anything is unpickled;
   it names its sender and carries a sequence number, and a receiver refuses any number it has seen.
 - Local sockets live in a directory only this user can open. TCP sockets bind one interface and use
   ZeroMQ's CURVE encryption; a client is admitted only with the key pair of a running mesh.
@@ -182,7 +182,7 @@ class ControllerTransport:
 
     # -- meshes ------------------------------------------------------------------------------------
     def add_mesh(self, mesh_id: int, n: int) -> list[WorkerKeys]:
-        """New keys for a mesh of `n` workers: its HMAC key, each worker's address, and (TCP) a CURVE
+        """New keys for a mesh of `n` workers: its signing key, each worker's address, and (TCP) a CURVE
         key pair of its own, admitted until `remove_mesh`."""
         key = os.urandom(32)
         topic = os.urandom(TOPIC)

@@ -1,4 +1,4 @@
-"""The keys that make our sockets private: a worker's keys (HMAC key, secret topics, addresses), CURVE for
+"""The keys that make our sockets private: a worker's keys (signing key, secret topics, addresses), CURVE for
 TCP (the controller's server keys and a ZAP handler admitting live meshes' client keys; a job's agent keys)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ class WorkerKeys:
     mesh_id: int
     rank: int
     key: bytes
-    """The mesh's HMAC key."""
+    """The mesh's signing key (`codec`'s MACs)."""
     mesh_topic: bytes
     """The mesh's secret topic on the command socket (commands to every worker)."""
     rank_topic: bytes

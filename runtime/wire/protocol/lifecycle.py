@@ -17,7 +17,7 @@ class WorkerStart:
     """Everything a worker needs to start; handed over privately (the fork server's pipe), with its keys."""
 
     keys: WorkerKeys
-    """`wire.keys.WorkerKeys`: mesh id, rank, HMAC key, addresses."""
+    """`wire.keys.WorkerKeys`: mesh id, rank, signing key, addresses."""
     coords: dict[str, int]
     """Coordinates in the spawned mesh."""
     sizes: dict[str, int]
