@@ -11,6 +11,7 @@ import collections
 import datetime
 import itertools
 import linecache
+import logging
 import mmap
 import os
 import signal
@@ -32,6 +33,7 @@ from monarch.runtime.worker import actors, groups, stdin
 from monarch.runtime.worker.control import Control
 from monarch.runtime.worker.describe import describe
 from monarch.runtime.worker.engine import commands as engine
+from monarch.runtime.worker.engine import streams
 from monarch.runtime.worker.output import Output
 
 _log = log.get("worker")
@@ -78,6 +80,7 @@ class Worker:
         self.cancelled: set[int] = set()
         """Calls interrupted before they started here (this worker was busy with another call)."""
         self.handlers = {kind: getattr(self, name) for kind, name in HANDLERS.items()}
+        self._debug = _log.isEnabledFor(logging.DEBUG)
         signal.signal(signal.SIGINT, self._on_sigint)
         global current
         current = self
@@ -240,27 +243,23 @@ class Worker:
 
     # -- live functions ----------------------------------------------------------------------------
     def _call(self, env: codec.Envelope) -> None:
+        # Every call on every worker runs this, and each line costs several times its tight-loop time in a
+        # process that wakes once per message (issue 29): the common case takes the fewest steps.
         msg: protocol.Call = env.message
         call_id = msg.call_id
-        if engine.streams_running():
-            self.output.flush()  # what stream threads printed so far is no part of this call
+        if streams.threads:  # what stream threads printed so far is no part of this call
+            self.output.flush()
         self.released = None
         self.call_id = call_id
-        key = (msg.names, msg.sizes, msg.ranks)
-        call_view = self.views.get(key)
+        call_view = self.views.get((msg.names, msg.sizes, msg.ranks))
         if call_view is None:
-            view = Shape(msg.names, msg.sizes, msg.ranks)
-            call_view = context.CallView(view.coords(msg.ranks.index(self.rank)), view.size_dict)
-            if len(self.views) < 1024:
-                self.views[key] = call_view
+            call_view = self._view_of(msg)
         context.view = call_view  # read only through current_rank()/current_size(), which copy
-        _log.debug("call %d started", call_id)
-        ok, value = True, None
+        if self._debug:
+            _log.debug("call %d started", call_id)
         try:
             if msg.sources:  # (with the function, or for code it is given: an actor class)
-                for filename, lines in msg.sources.items():
-                    linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
-                errors.KNOWN_CELLS.update(msg.cells or {})  # pdb and stacks name them as the notebook does
+                self._keep_sources(msg)
             if msg.fn is not None:
                 try:
                     self.fns[msg.fid] = cloudpickle.loads(msg.fn)
@@ -280,25 +279,48 @@ class Worker:
                 value = None  # `q` at a pdb prompt: the call ends quietly on this rank, as a cell does
             finally:
                 self.in_user_code = False
+            ok, body = (True, _NONE) if value is None else _result(value)
         except BaseException as e:
-            ok, value = False, describe(e)
-            if self.released is None and isinstance(e, Exception):
-                self.control.claim_release(call_id, e)
-            if self.released is not None:  # its collective raised because we shut its connections down
-                collective, where = self.released
-                value = protocol.ErrorInfo(RELEASED, f"released from {collective} at {where}", "")
-        if value is None and ok:
-            body = _NONE
-        elif ok:
-            try:
-                body = codec.dumps(value)
-            except Exception as e:
-                ok, value = False, describe(e, f"the result ({type(value).__name__}) cannot be pickled: ")
-        _log.debug("call %d done (%s)", call_id, "ok" if ok else "failed")
+            ok, body = False, self._failure(call_id, e)
+        if self._debug:
+            _log.debug("call %d done (%s)", call_id, "ok" if ok else "failed")
         self.output.flush()
-        self._send(protocol.Reply(call_id, ok), body if ok else codec.dumps(value))
+        self._send(protocol.Reply(call_id, ok), body)
         self.call_id = None
-        self.cancelled.discard(call_id)
+        if self.cancelled:
+            self.cancelled.discard(call_id)
+
+    def _view_of(self, msg: protocol.Call) -> context.CallView:
+        """This worker's coordinates in the view a call names (kept for the next calls on it)."""
+        view = Shape(msg.names, msg.sizes, msg.ranks)
+        call_view = context.CallView(view.coords(msg.ranks.index(self.rank)), view.size_dict)
+        if len(self.views) < 1024:
+            self.views[(msg.names, msg.sizes, msg.ranks)] = call_view
+        return call_view
+
+    def _keep_sources(self, msg: protocol.Call) -> None:
+        """The source lines of the code a call brings, for tracebacks and pdb here."""
+        for filename, lines in msg.sources.items():
+            linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+        errors.KNOWN_CELLS.update(msg.cells or {})  # pdb and stacks name them as the notebook does
+
+    def _failure(self, call_id: int, e: BaseException) -> list:
+        """The reply body of a call that raised `e` here (or was released from a collective)."""
+        value = describe(e)
+        if self.released is None and isinstance(e, Exception):
+            self.control.claim_release(call_id, e)
+        if self.released is not None:  # its collective raised because we shut its connections down
+            collective, where = self.released
+            value = protocol.ErrorInfo(RELEASED, f"released from {collective} at {where}", "")
+        return codec.dumps(value)
+
+
+def _result(value: Any) -> tuple[bool, list]:
+    """(ok, the reply body) of a call that returned `value`."""
+    try:
+        return True, codec.dumps(value)
+    except Exception as e:
+        return False, codec.dumps(describe(e, f"the result ({type(value).__name__}) cannot be pickled: "))
 
 
 _NONE = codec.dumps(None)

@@ -22,10 +22,6 @@ from monarch.runtime.worker.engine.table import Poison, resolve, store, table
 _ops: dict[str, Any] = {}
 
 
-def streams_running() -> bool:
-    return streams.running()
-
-
 def run(batch: list) -> None:
     """Execute a batch of commands, in order (per stream)."""
     for cmd in batch:

@@ -12,6 +12,8 @@ import torch
 from monarch.runtime.common import context
 
 _streams: dict[int, _StreamThread] = {}
+threads = _streams
+"""Each stream other than main that was used, by id, with its thread (empty: only main was used)."""
 here = threading.local()
 """`.sid` on a stream thread: the stream it runs (0, main, elsewhere)."""
 
@@ -49,11 +51,6 @@ def on(sid: int, fn) -> None:
     if st is None:
         st = _streams[sid] = _StreamThread(sid)
     st.queue.put(fn)
-
-
-def running() -> bool:
-    """Whether any stream other than main has been used."""
-    return bool(_streams)
 
 
 def sync_streams() -> None:
