@@ -29,16 +29,18 @@ class CudaMeansCpu(TorchFunctionMode):
         self.warn = warn
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # (every op inside activate() on a CPU mesh passes here: the common case is checked first, cheaply)
         kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
+        if func is _CUDA:
             self._warn()
             return args[0].to("cpu")
-        if func is torch.Tensor.to and any(_is_cuda(a) for a in args[1:]):
+        if func is _TO and any(_is_cuda(a) for a in args[1:]):
             self._warn()
             args = tuple("cpu" if _is_cuda(a) else a for a in args)
         dev = kwargs.get("device")
-        if dev is None and func in _constructors() and _is_cuda(torch_device.CURRENT_DEVICE):
-            dev = "cuda"  # torch.set_default_device("cuda"), found without making a tensor (that would init CUDA)
+        if dev is None and torch_device.CURRENT_DEVICE is not None and _is_cuda(torch_device.CURRENT_DEVICE):
+            if func in _constructors():  # torch.set_default_device("cuda"), found without making a tensor
+                dev = "cuda"  # (which would initialize CUDA)
         if dev is not None and _is_cuda(dev):
             self._warn()
             kwargs = dict(kwargs, device="cpu")
@@ -47,6 +49,9 @@ class CudaMeansCpu(TorchFunctionMode):
     def _warn(self) -> None:
         if self.warn:
             _warn_cuda()
+
+
+_CUDA, _TO = torch.Tensor.cuda, torch.Tensor.to
 
 
 def _is_cuda(x: Any) -> bool:
