@@ -261,9 +261,10 @@ def report(results: dict, ops: int = OPS, inspects: int = INSPECTS, reduces: int
         for peer, res in results.items():
             if peer == "monarch":
                 continue
-            if res and peer_key in res:
-                ratio = ours[key] / res[peer_key] if higher else res[peer_key] / ours[key]
-                parts.append(f"{peer} {_fmt(res[peer_key] * scale)} {unit} (ratio {ratio:.2f}x)")
+            theirs = key if res and key in res else peer_key  # ("monarch before" has our keys; gloo, its own)
+            if res and theirs in res:
+                ratio = ours[key] / res[theirs] if higher else res[theirs] / ours[key]
+                parts.append(f"{peer} {_fmt(res[theirs] * scale)} {unit} (ratio {ratio:.2f}x)")
             elif peer == "torchmonarch" or (peer == "gloo" and key.startswith("reduce")):
                 why = "" if res else ", failed"
                 if res and key.startswith("reduce"):
