@@ -97,6 +97,8 @@ class HostsBackend(Backend):
         self.transport = local.transport
         self.replies = local.transport
         self.secret = job.secret()
+        self.here = socket.gethostname()
+        """This machine's host name (workers on an agent of that host share the controller's CPUs)."""
         self.ctx = self.transport.ctx
         self.hosts: list[Host] = []
         self.meshes: dict[int, _Mesh] = {}
@@ -384,8 +386,7 @@ class HostsBackend(Backend):
         return mesh is not None and len(mesh.hosts) > 1
 
     def workers_here(self, mesh_id: int, ranks: tuple[int, ...]) -> int:
-        here = socket.gethostname()
-        return sum(len(rs) for i, rs in self._by_host(mesh_id, ranks).items() if self.hosts[i].record.host == here)
+        return sum(len(rs) for i, rs in self._by_host(mesh_id, ranks).items() if self.hosts[i].record.host == self.here)
 
     def control(self, mesh_id: int, ranks: tuple[int, ...], call_id: int, kind: Control) -> None:
         for i, rs in self._by_host(mesh_id, ranks).items():

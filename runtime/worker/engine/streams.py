@@ -11,8 +11,7 @@ import torch
 
 from monarch.runtime.common import context
 
-_streams: dict[int, _StreamThread] = {}
-threads = _streams
+threads: dict[int, _StreamThread] = {}
 """Each stream other than main that was used, by id, with its thread (empty: only main was used)."""
 here = threading.local()
 """`.sid` on a stream thread: the stream it runs (0, main, elsewhere)."""
@@ -47,16 +46,16 @@ def on(sid: int, fn) -> None:
     if sid == 0:
         fn()
         return
-    st = _streams.get(sid)
+    st = threads.get(sid)
     if st is None:
-        st = _streams[sid] = _StreamThread(sid)
+        st = threads[sid] = _StreamThread(sid)
     st.queue.put(fn)
 
 
 def sync_streams() -> None:
     """Wait until every stream has run what was queued on it (before a value is read)."""
     events = []
-    for st in list(_streams.values()):
+    for st in list(threads.values()):
         ev = threading.Event()
         st.queue.put(ev.set)
         events.append(ev)
