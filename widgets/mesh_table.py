@@ -73,6 +73,12 @@ class MeshTableWidget(StaticFallbackWidget):
         self._lock = threading.Lock()
         self._last = _doing(table.rows)
         """What each rank was doing at the last change while the mesh ran (shown once it has stopped)."""
+        self._follow(mesh)
+        # A rank may have changed between the table above and following the mesh (its change then reached
+        # no one), and a rank busy from the start must have its "for" column counting: look again.
+        self.note_change()
+
+    def _follow(self, mesh) -> None:
         ref = weakref.ref(self)
         stop = None
 

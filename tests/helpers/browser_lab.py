@@ -85,7 +85,8 @@ class Lab:
         (tmp / "root").mkdir()
         self.env = dict(
             os.environ,
-            JUPYTER_PATH=str(jupyter_path),
+            # (after it, any the caller had: ./run adds a base Python's, where its front-end extensions are)
+            JUPYTER_PATH=os.pathsep.join([str(jupyter_path), *filter(None, [os.environ.get("JUPYTER_PATH")])]),
             JUPYTER_CONFIG_DIR=str(tmp / "config"),
             JUPYTER_DATA_DIR=str(tmp / "data"),
             JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
