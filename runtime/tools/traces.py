@@ -177,7 +177,9 @@ def _rank_summary(rank: int, label: str, events: list[dict], common: tuple[float
         windows = [common]
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     device = "gpu" if kernels else "cpu"
-    work = kernels if kernels else _top_level(e for e in events if e.get("cat") == "cpu_op")
+    # (a collective that is a range of our own, such as monarch's shared-memory reduce, holds the ops it runs:
+    # they are communication, not compute)
+    work = kernels if kernels else _top_level(e for e in events if e.get("cat") == "cpu_op" or _comm_range(e))
     comm_iv, comp_iv = [], []
     for e in work:
         iv = (e["ts"], e["ts"] + e.get("dur", 0))
@@ -236,6 +238,10 @@ def _name_slowest(s: Summary) -> None:
 
 def _paren(label: str) -> str:
     return f" ({label})" if label else ""
+
+
+def _comm_range(e: dict) -> bool:
+    return e.get("cat") == "user_annotation" and bool(COMM.search(e.get("name", "")))
 
 
 def _top_level(events) -> list[dict]:

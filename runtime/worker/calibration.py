@@ -133,17 +133,26 @@ def _contention(rep: int) -> dict:
     """How compute on the main thread and a collective on a stream thread slow each other down when they
     overlap on a CPU worker, as in a training step where gradients are reduced during the backward pass.
 
-    Every worker starts a small reduce on a stream thread (the engine's: the data and a failure flag, then
-    the flag read) and at once computes on its main thread about half as long as the reduce takes alone.
+    Every worker starts a small reduce on a stream thread (the engine's: through shared memory where the
+    workers share a machine, else the data and a failure flag, then the flag read) and at once computes on its main thread about half as long as the reduce takes alone.
     From when each ends, with both alone as the baseline: `fc`, how many times longer the compute ran
     while they overlapped, and `fm`, the same for the reduce (the simulator's sharing model, inverted)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return {}
+    from monarch.runtime.common.groups import WORLD
+    from monarch.runtime.worker import groups, local_reduce
+
     data, flag = torch.ones(256), torch.zeros(1)
+    local = None  # (the engine's way on one machine: `local_reduce`; met here by every rank at once)
+    if groups.current is not None and local_reduce.usable("sum", data.dtype, "cpu"):
+        local = groups.current.local(WORLD, 0, dist.group.WORLD)
 
     def reduce() -> None:
+        if local is not None:
+            local.all_reduce(data, "sum", 0)
+            return
         failed = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
         dist.all_reduce(data)
         failed.wait()

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from monarch.runtime.common import groups as shared
+from monarch.runtime.worker import local_reduce
 
 current: Groups | None = None
 """This worker's groups (set at start)."""
@@ -68,6 +69,7 @@ class Groups:
         self._stream_copies: dict[tuple, Any] = {}
         self._pairs: dict[tuple, Any] = {}
         self._links: dict[str, Any] = {}
+        self._local: dict[tuple[int, int], local_reduce.LocalReducer | None] = {}
 
     def create(self, gid: int, partition: tuple) -> None:
         """Create every group of one partition (collectively: every worker of the mesh calls this), keep ours."""
@@ -112,6 +114,19 @@ class Groups:
             name = f"{self.prefix}stream/{sid}/{gid}/{dev_type}/{'-'.join(map(str, ranks))}/"
             copy = self._stream_copies[(sid, gid, dev_type)] = self._make(name, group.rank(), ranks, dev_type)
         return copy
+
+    def local(self, gid: int, sid: int, group: Any) -> local_reduce.LocalReducer | None:
+        """The shared-memory reducer of group `gid` on stream `sid` (`group`: `for_stream`'s), met on first
+        use (collectively: every member reaches its first reduce in the same order), or None where the
+        group's workers are not all on this machine."""
+        key = (sid, gid)
+        if key not in self._local:
+            ranks = dist.get_process_group_ranks(self.by_id[gid])
+            name = f"{self.prefix}local/{sid}/{gid}/{'-'.join(map(str, ranks))}/"
+            store = dist.PrefixStore(name, self.store)
+            self._local[key] = None  # (if meeting raises, this rank asks no more: the reduce fails instead)
+            self._local[key] = local_reduce.meet(store, group.rank(), group.size(), self.timeout.total_seconds())
+        return self._local[key]
 
     def pair(self, peer: int, sid: int, dev_type: str) -> tuple[Any, int]:
         """(backend, the peer's rank in it) for sends between this worker and global rank `peer` on stream
@@ -173,6 +188,9 @@ class Groups:
         down the connections to the other workers (gloo's). The groups, the user's too, are broken until
         `reform` (which remakes ours)."""
         self.broken = True
+        for reducer in list(self._local.values()):
+            if reducer is not None:
+                reducer.abort()
         for group in self.ours() + self.users():
             try:
                 if dist.get_backend(group) == "nccl":
@@ -205,7 +223,7 @@ class Groups:
         environment. The mesh's own groups (`mesh.process_group`, the tensor engine's) say so when used."""
         self.destroy()
         self.by_id = {}
-        self._stream_copies, self._pairs, self._links = {}, {}, {}
+        self._stream_copies, self._pairs, self._links, self._local = {}, {}, {}, {}
         self.handed_over = True
 
     def reform(self, generation: int) -> None:

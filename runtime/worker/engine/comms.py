@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from monarch.runtime.common import context
 from monarch.runtime.wire import protocol as P
-from monarch.runtime.worker import groups
+from monarch.runtime.worker import groups, local_reduce
 from monarch.runtime.worker.engine.streams import current_sid
 from monarch.runtime.worker.engine.table import Poison, on_device, table
 
@@ -39,21 +39,33 @@ def reduce(cmd: P.Reduce) -> None:
             t = torch.zeros(cmd.shape, dtype=cmd.dtype, device=device)
         else:
             t = v.detach().clone(memory_format=torch.contiguous_format)  # NCCL takes contiguous tensors only
-        failed = torch.tensor([me + 1 if bad else 0], device=device)  # which rank's input failed (+1), if any
-        failed_work = dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        failed = me + 1 if bad else 0  # which rank's input failed (+1), if any
+        local = None
+        if cmd.reduction != "stack" and local_reduce.usable(cmd.reduction, cmd.dtype, cmd.device_type):
+            local = groups.current.local(cmd.gid, current_sid(), group)  # (same answer on every rank)
+        if local is not None:  # its workers share this machine: through shared memory, flag included
+            with torch.profiler.record_function("shm:all_reduce"):  # (a profile counts it as communication)
+                culprit = local.all_reduce(t, cmd.reduction, failed) - 1
+            result = t
+        else:
+            flag = torch.tensor([failed], device=device)
+            failed_work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+            if cmd.reduction == "stack":
+                parts = [torch.empty_like(t) for _ in range(cmd.size)]
+                dist.all_gather(parts, t, group=group)
+                result = torch.stack(parts)
+            else:
+                dist.all_reduce(t, op=getattr(dist.ReduceOp, _REDUCE_OPS[cmd.reduction]), group=group)
+                result = t
+            failed_work.wait()
+            culprit = int(flag.item()) - 1
         if cmd.reduction == "stack":
-            parts = [torch.empty_like(t) for _ in range(cmd.size)]
-            dist.all_gather(parts, t, group=group)
-            result = torch.stack(parts)
             if cmd.scatter:  # all-to-all: rank i keeps the i-th slice of everyone's
                 result = result[:, me] if result.dim() > 1 else result
         else:
-            dist.all_reduce(t, op=getattr(dist.ReduceOp, _REDUCE_OPS[cmd.reduction]), group=group)
-            result = t / cmd.size if cmd.reduction == "avg" else t
+            result = result / cmd.size if cmd.reduction == "avg" else result
             if cmd.scatter:
                 result = result.chunk(cmd.size)[me].clone()
-        failed_work.wait()
-        culprit = int(failed.item()) - 1
         if culprit >= 0:  # every rank takes part in sharing that failure
             mine = v if isinstance(v, Poison) else Poison("KeyError", f"tensor {src} is not on this worker", "", where)
             shared = _share_poison(group, device, mine if culprit == me else None, where)
