@@ -34,8 +34,14 @@ def test_a_reduce_larger_than_its_slots_is_exact_in_every_dtype(mesh):
         peak = (big.to(torch.float64) * -1).reduce("gpu", "max")
         halves = torch.full((1000,), 0.5, dtype=torch.bfloat16).reduce("host", "product")
         small = (rank.to(torch.int32) + 1).reduce("gpu", "sum")
+        grid = torch.arange(12.0).reshape(3, 4) * (rank + 1)
+        across = grid.t().reduce(("host", "gpu"), "sum")  # a view that is not contiguous, out of place
+        grid.t().reduce_(("host", "gpu"), "max")  # and in place: into `grid`'s memory
     base = torch.arange(n, dtype=torch.int64)
     assert torch.equal(monarch.inspect(summed, host=1, gpu=0), base * 10)  # 1 + 2 + 3 + 4
+    assert torch.equal(monarch.inspect(big, host=1, gpu=0), base * 3)  # its input stays as it was
+    assert torch.equal(monarch.inspect(across, host=0, gpu=1), torch.arange(12.0).reshape(3, 4).t() * 10)
+    assert torch.equal(monarch.inspect(grid, host=0, gpu=0), torch.arange(12.0).reshape(3, 4) * 4)
     assert torch.equal(monarch.inspect(peak, host=1, gpu=1), (base * -3).to(torch.float64))  # ranks 2, 3
     assert monarch.inspect(halves, host=0, gpu=1).tolist() == [0.25] * 1000
     out = monarch.inspect(small, host=1, gpu=1)

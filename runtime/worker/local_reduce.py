@@ -96,11 +96,13 @@ class LocalReducer:
         self._round = 0
         self._poll = _Timespec(0, int(POLL * 1e9))
 
-    def all_reduce(self, t: torch.Tensor, reduction: str, failed: int) -> int:
-        """Reduce contiguous `t` in place across the group; `failed` is this rank's failure flag (0: none),
-        the largest of all ranks' is returned."""
-        assert t.is_contiguous() and reduction in OPS
-        flat = t.view(-1)
+    def all_reduce(self, t: torch.Tensor, reduction: str, failed: int, out: torch.Tensor | None = None) -> int:
+        """Reduce `t` across the group into `out` (contiguous, `t`'s shape and dtype; default: `t` itself, which
+        must then be contiguous); `failed` is this rank's failure flag (0: none), the largest of all ranks' is
+        returned."""
+        out = t if out is None else out
+        assert out.is_contiguous() and out.shape == t.shape and out.dtype == t.dtype and reduction in OPS
+        src, flat = t.reshape(-1), out.view(-1)  # (no copy of `t` either way: it goes into the slots)
         fn = getattr(torch, OPS[reduction])
         keep = {"dtype": t.dtype} if fn in (torch.sum, torch.prod) else {}  # (not int64 for ints)
         per = SLOT // t.element_size()
@@ -114,7 +116,7 @@ class LocalReducer:
             size = piece.numel()
             slots = self._sets[self._round & 1].view(t.dtype)
             self._round += 1
-            slots[me, :size].copy_(piece)
+            slots[me, :size].copy_(src[start : start + size])
             self._barrier()
             if start == 0:
                 culprit = max(cells[j * LINE // 4 + 1] for j in range(n))

@@ -33,20 +33,23 @@ def reduce(cmd: P.Reduce) -> None:
         group = groups.current.for_stream(cmd.gid, current_sid(), cmd.device_type)
         me = group.rank()
         in_place = out == src and not bad and cmd.reduction != "stack" and not cmd.scatter
-        if in_place and v.is_contiguous():
-            t = v.detach()  # reduce_: straight into the tensor, as a plain all_reduce does
-        elif bad:
-            t = torch.zeros(cmd.shape, dtype=cmd.dtype, device=device)
-        else:
-            t = v.detach().clone(memory_format=torch.contiguous_format)  # NCCL takes contiguous tensors only
         failed = me + 1 if bad else 0  # which rank's input failed (+1), if any
         local = None
         if cmd.reduction != "stack" and local_reduce.usable(cmd.reduction, cmd.dtype, cmd.device_type):
             local = groups.current.local(cmd.gid, current_sid(), group)  # (same answer on every rank)
+        writable = in_place and v.is_contiguous()
+        if writable:
+            t = v.detach()  # reduce_: straight into the tensor, as a plain all_reduce does
+        elif bad:
+            t, writable = torch.zeros(cmd.shape, dtype=cmd.dtype, device=device), True
+        elif local is not None:
+            t = v.detach()  # (read straight into the shared slots: no copy of it first)
+        else:
+            t = v.detach().clone(memory_format=torch.contiguous_format)  # NCCL takes contiguous tensors only
         if local is not None:  # its workers share this machine: through shared memory, flag included
+            result = t if writable else torch.empty(t.shape, dtype=t.dtype, device=device)
             with torch.profiler.record_function("shm:all_reduce"):  # (a profile counts it as communication)
-                culprit = local.all_reduce(t, cmd.reduction, failed) - 1
-            result = t
+                culprit = local.all_reduce(t, cmd.reduction, failed, out=result) - 1
         else:
             flag = torch.tensor([failed], device=device)
             failed_work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
