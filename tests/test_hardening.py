@@ -122,6 +122,22 @@ def test_another_user_cannot_reach_the_store_or_the_sockets_of_a_local_mesh(mesh
 
 
 @root_only
+def test_another_user_cannot_open_the_memory_a_reduce_shares(mesh):
+    """One machine's workers reduce through a memfd: named in no filesystem, reachable only through /proc by
+    the same user. Another user finds nothing under /dev/shm and cannot open it through /proc either."""
+    import torch
+
+    with mesh.activate():
+        summed = torch.ones(4).reduce(("host", "gpu"), "sum")
+    assert monarch.inspect(summed).tolist() == [4.0] * 4
+    pid = worker_pids(mesh)[1]
+    with open(f"/proc/{pid}/maps") as f:
+        assert "/memfd:monarch-reduce (deleted)" in f.read()  # (the reduce went through it)
+    assert result_of(as_nobody("shared_memory", pid)) == {"dev_shm": [], "map_files": "refused", "fd": "refused"}
+    assert monarch.inspect(summed, host=1, gpu=1).tolist() == [4.0] * 4
+
+
+@root_only
 def test_another_user_can_neither_read_commands_nor_use_the_store_over_tcp():
     """In TCP mode anyone on the machine could subscribe and read function pickles and arguments. Now
     sockets are CURVE-encrypted and admit only a running mesh's key pair: a stranger who even knows the
