@@ -1,12 +1,13 @@
 """An all-reduce through shared memory, for a group whose workers all run on this host (CPU tensors).
 
-gloo's ring sends every byte through loopback TCP, copied through the kernel on the way out and in, a
-dozen times per rank for 8 ranks. Here each rank copies its piece of the tensor into its slot of a
-segment the group shares, sums its 1/n share across every slot in one pass, and copies the whole result
-back: two copies and one pass. Ranks meet at barriers: each writes a counter in its own cache line and
-wakes the others through a futex on it (no atomics, no spinning, no sockets). Tensors larger than a slot
-go through in slot-sized rounds, alternating between two sets of slots so that one barrier per round
-keeps a fast rank from overwriting what a slow one still reads.
+gloo's ring moves each rank's tensor through loopback TCP in 2(n-1) steps, each copied through the
+kernel on the way out and again on the way in. Here each rank copies its piece of the tensor into its
+slot of a segment the group shares, reduces its 1/n share across every slot in one pass, and copies the
+whole result back: two copies and one pass (16 MB on 8 workers of a 2-core VM: 2.1-2.3x gloo's
+`all_reduce`, `benchmarks/RESULTS.md`). Ranks meet at barriers: each writes a counter in its own cache
+line and wakes the others through a futex on it (no atomics, no spinning, no sockets). Tensors larger
+than a slot go through in slot-sized rounds, alternating between two sets of slots, so that two barriers
+per round keep a fast rank from overwriting what a slow one still reads.
 
 The failure flag every collective carries (which rank's input failed) rides along in each rank's line,
 so one meeting does what two gloo all-reduces did.
