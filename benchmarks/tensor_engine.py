@@ -249,7 +249,7 @@ def report(results: dict, ops: int = OPS, inspects: int = INSPECTS, reduces: int
         (f"inspect of 4 floats, round trip (median of {inspects})", "inspect", "ms", 1e3, False),
     ]
     for mb in SIZES_MB:
-        rows.append((f"reduce sum of {mb} MB float32 (out of place: one copy more than gloo), issue to value back "
+        rows.append((f"reduce sum of {mb} MB float32 (out of place: a fresh result tensor), issue to value back "
                      f"(median of {reduces})", f"reduce_{mb}", "ms", 1e3, False))  # fmt: skip
         rows.append((f"  {mb} MB with reduce_ (in place, like dist.all_reduce)",
                      f"reduce_inplace_{mb}:reduce_{mb}", "ms", 1e3, False))  # fmt: skip
