@@ -134,7 +134,8 @@ def _contention(rep: int) -> dict:
     overlap on a CPU worker, as in a training step where gradients are reduced during the backward pass.
 
     Every worker starts a small reduce on a stream thread (the engine's: through shared memory where the
-    workers share a machine, else the data and a failure flag, then the flag read) and at once computes on its main thread about half as long as the reduce takes alone.
+    workers share a machine, else the data and a failure flag, then the flag read) and at once computes on
+    its main thread about half as long as the reduce takes alone.
     From when each ends, with both alone as the baseline: `fc`, how many times longer the compute ran
     while they overlapped, and `fm`, the same for the reduce (the simulator's sharing model, inverted)."""
     import torch.distributed as dist
