@@ -1,6 +1,5 @@
 """Widgets outside a front-end: live MeshTable status, and the static HTML/text every view carries."""
 
-import os
 import time
 
 import pytest
@@ -93,30 +92,37 @@ def test_a_mesh_table_made_while_ranks_run_keeps_counting_without_a_change(tmp_p
     """`%mesh` shown while a call runs: nothing changes after the table is made (no rank becomes busy or
     idle), yet its "for" column counts; a change that came between reading the table and following the mesh
     would likewise be caught by that first look."""
+    import socket
+
     from monarch.actor import this_host
 
-    started, release = tmp_path / "started", tmp_path / "release"
+    path = str(tmp_path / "hold.sock")
 
     @monarch.remote
-    def hold(started, release):
-        import os
+    def hold(path):
+        import socket
 
-        open(f"{started}.{monarch.current_rank()['gpu']}", "w").close()
-        while not os.path.exists(release):
-            time.sleep(0.02)
+        with socket.socket(socket.AF_UNIX) as s:  # connected: running; then held until the test lets go
+            s.connect(path)
+            s.recv(1)
 
     mesh = this_host().spawn_procs({"gpu": 2})
-    try:
-        fut = hold.on(mesh).call_async(str(started), str(release))
-        assert _wait_for(lambda: all(os.path.exists(f"{started}.{r}") for r in range(2)), 10)
-        table = MeshTableWidget(mesh)
-        assert [r["status"] for r in table.rows] == ["busy", "busy"], table.rows
-        assert _wait_for(lambda: all(r["for"] not in ("", "0 s") for r in table.rows), 10), table.rows
-        release.touch()
-        fut.result()
-        assert _wait_for(lambda: [r["status"] for r in table.rows] == ["idle", "idle"]), table.rows
-    finally:
-        mesh.exit()
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(path)
+        server.listen(2)
+        server.settimeout(30)
+        try:
+            fut = hold.on(mesh).call_async(path)
+            held = [server.accept()[0] for _ in range(2)]  # both ranks run the call
+            table = MeshTableWidget(mesh)
+            assert [r["status"] for r in table.rows] == ["busy", "busy"], table.rows
+            assert _wait_for(lambda: all(r["for"] not in ("", "0 s") for r in table.rows), 10), table.rows
+            for conn in held:
+                conn.close()
+            fut.result()
+            assert _wait_for(lambda: [r["status"] for r in table.rows] == ["idle", "idle"]), table.rows
+        finally:
+            mesh.exit()
 
 
 @pytest.mark.timeout(60)
