@@ -22,9 +22,9 @@ from monarch.runtime.backends.base import Backend, LostCallback
 from monarch.runtime.common import groups, log
 from monarch.runtime.common.config import Settings
 from monarch.runtime.common.errors import exit_cause
+from monarch.runtime.common.processes import proc_state as _proc_state
 from monarch.runtime.common.shape import Shape
 from monarch.runtime.procs.workers import WorkerProcs, clean_stale_dirs, fork_server, fork_server_pid, private_dir
-from monarch.runtime.procs.workers import proc_state as _proc_state
 from monarch.runtime.wire import protocol
 from monarch.runtime.wire.controller_end import ControllerTransport, PeerStalled
 from monarch.runtime.wire.protocol import Control

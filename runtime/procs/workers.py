@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from monarch.runtime.common.errors import exit_cause
+from monarch.runtime.common.processes import proc_state
 from monarch.runtime.wire import codec, protocol
 
 LIVENESS_INTERVAL = 0.5
@@ -295,17 +296,6 @@ class WorkerProcs:
                         rank,
                         f"is frozen: stopped (SIGSTOP or Ctrl-Z, process state T) for {now - since:.1f} s",
                     )
-
-
-def proc_state(pid: int | None) -> str | None:
-    """The state letter of process `pid` (R, S, D, T, Z, ...), or None if it is gone."""
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError):
-        return None
 
 
 def _shared_slots(path: str, n: int) -> mmap.mmap:

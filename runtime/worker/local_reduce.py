@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from monarch.runtime.common.processes import proc_state
+
 SLOT = 1 << 20
 """Bytes of each rank's slot in each of the two sets: a tensor of more than n * SLOT bytes takes rounds."""
 LINE = 64
@@ -151,7 +153,7 @@ class LocalReducer:
                 self._check(j, deadline)
 
     def _check(self, j: int, deadline: float) -> None:
-        if not _alive(self.pids[j]):
+        if proc_state(self.pids[j]) in (None, "Z", "X"):  # (a zombie not reaped yet is dead too)
             raise RuntimeError(f"rank {j} of the group exited during the collective")
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank {j} of the group did not reach the collective in {self.timeout:.0f} s")
@@ -162,15 +164,6 @@ class LocalReducer:
         cells[self._abort] = 1
         for j in range(self.n):
             _libc.syscall(_FUTEX, ctypes.c_void_p(self._base + j * LINE), _WAKE, 0x7FFFFFFF, None, None, 0)
-
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` still runs (a zombie its parent has not reaped yet does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 def meet(store: Any, me: int, n: int, timeout: float) -> LocalReducer | None:

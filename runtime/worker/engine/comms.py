@@ -35,7 +35,7 @@ def reduce(cmd: P.Reduce) -> None:
         in_place = out == src and not bad and cmd.reduction != "stack" and not cmd.scatter
         failed = me + 1 if bad else 0  # which rank's input failed (+1), if any
         local = None
-        if cmd.reduction != "stack" and local_reduce.usable(cmd.reduction, cmd.dtype, cmd.device_type):
+        if local_reduce.usable(cmd.reduction, cmd.dtype, cmd.device_type):  # (not `stack`)
             local = groups.current.local(cmd.gid, current_sid(), group)  # (same answer on every rank)
         writable = in_place and v.is_contiguous()
         if writable:
