@@ -17,6 +17,10 @@ before any of our code runs:
   floor of a call to one worker, `monarch.inspect`). With `cpu_rounds`, that many more round trips to all N, with the parent's CPU
   (`time.process_time`, all its threads) and each child's (utime + stime from /proc/<pid>/stat) per round, and
   both split by thread (main, libzmq's, other) from /proc/<pid>/task.
+- `rtt_unix`, `rtt_unix_one`: the same round trips over Unix stream socket pairs, the kind our lanes are
+  (`runtime/wire/lanes.py`: a local worker's commands and replies): one write to each child, an answer
+  from each, read through one epoll. No ZeroMQ I/O threads between the processes: the floor under the one
+  above, which issue 29's targets are set against.
 - `rtt_router`: the raw ROUTER/DEALER echo that benchmarks/actors.py has reported as its floor since issue 28
   (a ROUTER bound by the parent, a DEALER in each child; one small message to each, each echoes it).
 - `sign`: per message, pickle (protocol 5) of a small tuple message (a no-op `Call`'s header) + HMAC-SHA256
@@ -208,6 +212,62 @@ RTT_ROUTER = textwrap.dedent(
     """
 )
 
+RTT_UNIX = textwrap.dedent(
+    """
+    import json, os, select, socket, statistics, time
+
+    MESSAGE = bytes(120)  # about a no-op Call on a lane (its length header included)
+    ANSWER = bytes(100)  # about a Reply's
+    socks, pids = [], []
+    for i in range(N):
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        pid = os.fork()
+        if pid == 0:  # the child: one answer per message, until its socket ends
+            for s in socks:
+                s.close()
+            a.close()
+            while b.recv(65536):
+                b.sendall(ANSWER)
+            os._exit(0)
+        b.close()
+        socks.append(a)
+        pids.append(pid)
+    ep = select.epoll()
+    for s in socks:
+        ep.register(s.fileno(), select.EPOLLIN)
+
+
+    def round_trip(to):
+        for s in to:
+            s.send(MESSAGE)
+        got = 0
+        while got < len(to):
+            events = ep.poll(10)
+            assert events, "an answer was lost"
+            for fd, _ in events:
+                got += len(os.read(fd, 65536)) // len(ANSWER)
+
+
+    def median(to):
+        for _ in range(50):
+            round_trip(to)
+        ts = []
+        for _ in range(ROUND_TRIPS):
+            t0 = time.perf_counter(); round_trip(to); ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+
+    try:
+        out = {"rtt_unix": median(socks), "rtt_unix_one": median(socks[:1])}
+    finally:
+        for s in socks:
+            s.close()
+        for pid in pids:
+            os.waitpid(pid, 0)
+    print(json.dumps(out), flush=True)
+    """
+)
+
 SIGN = textwrap.dedent(
     """
     import hmac, json, os, pickle, statistics, time
@@ -319,6 +379,11 @@ def rtt(cpu_rounds: int = 0) -> dict | None:
     return measure(sys.executable, f"CPU_ROUNDS = {cpu_rounds}\n" + RTT)
 
 
+def rtt_unix() -> dict | None:
+    """`rtt_unix`, `rtt_unix_one` (seconds): the same round trips over Unix stream sockets (our lanes' kind)."""
+    return measure(sys.executable, RTT_UNIX)
+
+
 def rtt_router() -> float | None:
     """The ROUTER/DEALER echo to N children (benchmarks/actors.py's floor), median, seconds."""
     got = measure(sys.executable, RTT_ROUTER)
@@ -342,6 +407,9 @@ def floors() -> dict:
     got = rtt()
     if got:
         out.update(got)
+    unix = rtt_unix()
+    if unix:
+        out.update(unix)
     router = rtt_router()
     if router is not None:
         out["rtt_router"] = router
@@ -362,6 +430,11 @@ def describe(f: dict) -> str:
             f"round trip to {N} forked processes (XPUB/XSUB down, PUSH/PULL up, as ours) {f['rtt'] * 1e3:.3g} ms"
         )
         parts.append(f"to one of them {f['rtt_one'] * 1e3:.3g} ms")
+    if "rtt_unix" in f:
+        parts.append(
+            f"the same over Unix stream sockets (as our lanes) {f['rtt_unix'] * 1e3:.3g} ms, "
+            f"to one {f['rtt_unix_one'] * 1e3:.3g} ms"
+        )
     if "rtt_router" in f:
         parts.append(f"ROUTER/DEALER echo to {N} {f['rtt_router'] * 1e3:.3g} ms")
     if "spawn" in f:

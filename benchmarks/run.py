@@ -269,9 +269,10 @@ def print_headline(results: dict, floors: dict) -> None:
         results,
         "rtt",
         rtt,
-        f"raw pyzmq round trip to {N} forks, XPUB/XSUB down and PUSH/PULL up as ours",
+        f"raw pyzmq round trip to {N} forks, XPUB/XSUB down and PUSH/PULL up (as ours with MONARCH_LANES=0)",
         f"; target (issue 29): <= {FLOOR_TARGET}x: {met}",
     )
+    print_floor_ratio(results, "rtt", floors.get("rtt_unix"), f"raw Unix stream sockets to {N} forks, as our lanes")
 
 
 def header() -> None:
@@ -314,7 +315,10 @@ def main() -> None:
         engine = tensor_engine.measure(before=before)
         tensor_engine.report(engine)
         print_floor_ratio(
-            engine, "inspect", floors.get("rtt_one"), "raw pyzmq round trip to one fork, as ours", label="inspect "
+            engine, "inspect", floors.get("rtt_one"), "raw pyzmq round trip to one fork", label="inspect "
+        )
+        print_floor_ratio(
+            engine, "inspect", floors.get("rtt_unix_one"), "raw Unix stream socket, as our lanes", label="inspect "
         )
     if "--no-faults" not in sys.argv:
         import faults

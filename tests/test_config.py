@@ -14,6 +14,7 @@ def test_defaults_and_values_read_from_the_environment():
                   "MONARCH_SEND_HWM": "64", "MONARCH_GROUP_TIMEOUT": "30"})  # fmt: skip
     assert (s.transport, s.bind_addr, s.spin, s.send_hwm, s.group_timeout) == ("tcp", "10.0.0.2", 0.00025, 64, 30.0)
     assert Settings().prewarm is True and from_env({"MONARCH_PREWARM": "0"}).prewarm is False
+    assert Settings().lanes is True and from_env({"MONARCH_LANES": "no"}).lanes is False
 
 
 @pytest.mark.parametrize(
@@ -24,6 +25,7 @@ def test_defaults_and_values_read_from_the_environment():
         ("MONARCH_SEND_HWM", "0", "MONARCH_SEND_HWM='0' is too small; give an integer >= 1"),
         ("MONARCH_FROZEN_AFTER", "-1", "MONARCH_FROZEN_AFTER='-1' is too small; give a number >= 0"),
         ("MONARCH_PREWARM", "maybe", "MONARCH_PREWARM='maybe'; use 1 (start the fork server with the kernel) or 0"),
+        ("MONARCH_LANES", "2", "MONARCH_LANES='2'; use 1 (local workers talk over Unix stream connections) or 0"),
     ],
 )
 def test_a_bad_value_names_the_variable_and_what_is_allowed(var, value, message):

@@ -118,7 +118,32 @@ def test_another_user_cannot_reach_the_store_or_the_sockets_of_a_local_mesh(mesh
     store_path = backend.transport.store_addr.removeprefix("ipc://")
 
     assert result_of(as_nobody("local_mesh", backend.dir, store_path)) == {"listdir": "refused", "connect": "refused"}
+    lanes_path = backend.transport.lanes.path  # (the workers' lanes: wire/lanes.py)
+    assert os.path.dirname(lanes_path) == backend.dir
+    assert result_of(as_nobody("lane", lanes_path)) == {"connect": "refused"}
     assert list(echo.on(mesh)(2)) == [2] * len(mesh)
+
+
+@root_only
+def test_a_lane_opened_by_another_user_is_closed_unread():
+    """Were the lanes' socket reachable (its directory is not: above), a connection from another uid is
+    closed as it is accepted (SO_PEERCRED), before a byte of it is read."""
+    from monarch.runtime.wire.lanes import LaneServer
+
+    where = tempfile.mkdtemp()
+    os.chmod(where, 0o755)
+    server = LaneServer(os.path.join(where, "lanes"))
+    os.chmod(server.path, 0o666)  # open to everyone, on purpose
+    try:
+        attacker = as_nobody("lane", server.path)
+        deadline = time.monotonic() + 20
+        while not server.refused and time.monotonic() < deadline:
+            server.pump(0.1)
+        assert result_of(attacker) == {"connect": "allowed", "closed": True}
+        assert server.refused == 1 and not server.lanes and not server.messages
+    finally:
+        server.close()
+        os.rmdir(where)
 
 
 @root_only
@@ -231,12 +256,8 @@ def test_a_replayed_command_is_refused(tmp_path, capfd, monkeypatch):
     try:
         note.on(mesh.slice(gpu=0))(path, "once")
         monkeypatch.undo()
-        mesh_id, m, ranks, frames = sent[-1]
-        topic = m.rank_topics[ranks[0]] if ranks is not None else m.topic
-        with transport.send_lock:
-            transport.cmd.send(topic + frames[0], zmq.SNDMORE if len(frames) > 1 else 0)
-            if len(frames) > 1:
-                transport.cmd.send_multipart(frames[1:])
+        with transport.send_lock:  # the same signed frames again, the way commands go (a lane, or the socket)
+            real(*sent[-1])
         note.on(mesh.slice(gpu=0))(path, "later")  # after the replay, in order
         with open(path) as f:
             assert f.read().splitlines() == ["once", "later"]

@@ -58,6 +58,7 @@ class LocalBackend(Backend):
         self._startup: dict[int, Callable[[Any], None]] = {}
         """Mesh id -> who takes its workers' start-up messages (another backend's meshes too)."""
         self.procs = WorkerProcs(settings, self.dir, on_lost, self.transport.cmd_fd, self._read_startup)
+        self.transport.on_startup = self._take_startup
 
     # -- start-up messages, for every backend -------------------------------------------------------------
     def expect_startup(self, mesh_id: int, take: Callable[[Any], None] | None) -> None:
@@ -73,8 +74,12 @@ class LocalBackend(Backend):
 
     def _read_startup(self) -> None:
         got = self.transport.read_cmd()
-        if not got:
-            return
+        if got:
+            self._take_startup(*got)
+
+    def _take_startup(self, *got: Any) -> None:
+        """Hand start-up messages to whoever starts their mesh (up the command socket: the monitor thread;
+        over a lane: the receiving thread)."""
         with self.procs.changed:
             for env in got:
                 take = self._startup.get(env.mesh_id)
@@ -88,7 +93,7 @@ class LocalBackend(Backend):
     ) -> list[dict]:
         n = len(shape)
         fork_server()  # starts it: it imports torch while we carry on
-        keys = self.transport.add_mesh(mesh_id, n)
+        keys = self.transport.add_mesh(mesh_id, n, lanes=True)
         mesh = _Mesh(shape, labels)
         self.meshes[mesh_id] = mesh
         path = self.procs.add(mesh_id, n, n)

@@ -53,6 +53,10 @@ class Settings:
     stack_report: float = 0.0
     """[CONTROLLER_PYSPY_REPORT_INTERVAL] Every this many seconds, write the stacks of the controller and of
     every worker to the controller's stderr (a kernel's: the Jupyter server's log). 0 (the default): never."""
+    lanes: bool = True
+    """[MONARCH_LANES] ``1`` (the default) or ``0``: whether workers forked on this machine (IPC transport) talk
+    to the controller over a Unix stream connection each (`runtime/wire/lanes.py`) instead of ZeroMQ's command
+    and reply sockets, which cost two more thread wake-ups per message."""
     prewarm: bool = True
     """[MONARCH_PREWARM] ``1`` (the default) or ``0``: whether the Monarch kernel starts the workers' fork server
     (the process that imports torch once, workers being forked from it) as the kernel starts, so that its
@@ -73,7 +77,15 @@ _ENV = {
     "hang_report": "MONARCH_HANG_REPORT",
     "stack_report": "CONTROLLER_PYSPY_REPORT_INTERVAL",
     "prewarm": "MONARCH_PREWARM",
+    "lanes": "MONARCH_LANES",
 }
+
+
+_SWITCHES = {
+    "prewarm": "start the fork server with the kernel",
+    "lanes": "local workers talk over Unix stream connections",
+}
+"""The on/off settings, and what 1 means."""
 
 
 def _number(var: str, text: str, kind: type, minimum: float) -> float | int:
@@ -103,9 +115,9 @@ def from_env(env: dict[str, str] | os._Environ = os.environ) -> Settings:
             values[field] = text
         elif field == "spin":
             values[field] = _number(var, text, float, 0) / 1e6
-        elif field == "prewarm":
+        elif field in _SWITCHES:
             if text.strip().lower() not in ("0", "1", "false", "true", "no", "yes"):
-                raise ValueError(f"{var}={text!r}; use 1 (start the fork server with the kernel) or 0")
+                raise ValueError(f"{var}={text!r}; use 1 ({_SWITCHES[field]}) or 0")
             values[field] = text.strip().lower() in ("1", "true", "yes")
         elif field == "send_hwm":
             values[field] = _number(var, text, int, 1)

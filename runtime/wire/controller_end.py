@@ -19,6 +19,7 @@ This module is the controller's end; `worker_end` is the workers'. Only the `wir
 from __future__ import annotations
 
 import os
+import select
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,12 +30,14 @@ import zmq
 
 from monarch.runtime.common.config import Settings
 from monarch.runtime.common.log import RateLimitedLog
-from monarch.runtime.wire import codec, protocol
+from monarch.runtime.wire import codec, lanes, protocol
 from monarch.runtime.wire.hold import HOLD, MAIN, _Swap
 from monarch.runtime.wire.keys import HELLO, TOPIC, UPSTREAM, AgentCurve, ServerCurve, WorkerKeys
+from monarch.runtime.wire.lanes import Lane, LaneServer
 from monarch.runtime.wire.links import heartbeat
 
 _NOBLOCK = int(zmq.NOBLOCK)
+_STARTUP = (protocol.Ready, protocol.StartFailed)
 _SNDMORE = int(zmq.SNDMORE)
 REPLY_HWM = 10_000
 """Messages the controller queues per worker connection on the reply socket (past this, the worker
@@ -71,6 +74,9 @@ class _Mesh:
     from one counter but may arrive in either order (output sent just after `Ready` can overtake it)."""
     goodbyes: set[int] = field(default_factory=set)
     """Ranks whose `Goodbye` arrived: all they sent before it has arrived too."""
+    lanes: list[Lane | None] | None = None
+    """Per rank, the worker's lane once its first message came (`wire/lanes.py`); None: the mesh's workers
+    use the command and reply sockets."""
 
 
 class PeerStalled(Exception):
@@ -131,6 +137,14 @@ class ControllerTransport:
         """Notified when a worker's `Goodbye` arrives (`await_goodbyes`)."""
         self.log = RateLimitedLog("monarch")
         self.closed = False
+        self.lanes = LaneServer(f"{directory}/lanes") if settings.transport == "ipc" and settings.lanes else None
+        """Local workers' connections (`wire/lanes.py`); its epoll also watches the reply socket."""
+        if self.lanes is not None:
+            self.lanes.watch(cast(int, self.reply.getsockopt(zmq.FD)))
+        self._zmq_maybe = True
+        """Whether the reply socket may hold a message (lanes: it is read until empty before the epoll waits)."""
+        self.on_startup: Callable[[codec.Envelope], None] | None = None
+        """Takes start-up messages (`Ready`, `StartFailed`) that came over a lane (set by the local backend)."""
 
     def _socket(self, kind: int, sndhwm: int = 1000, rcvhwm: int = 1000) -> zmq.Socket[bytes]:
         s = self.ctx.socket(kind)
@@ -181,9 +195,10 @@ class ControllerTransport:
             owner(lambda: do(self.store, "store"))
 
     # -- meshes ------------------------------------------------------------------------------------
-    def add_mesh(self, mesh_id: int, n: int) -> list[WorkerKeys]:
+    def add_mesh(self, mesh_id: int, n: int, lanes: bool = False) -> list[WorkerKeys]:
         """New keys for a mesh of `n` workers: its signing key, each worker's address, and (TCP) a CURVE
-        key pair of its own, admitted until `remove_mesh`."""
+        key pair of its own, admitted until `remove_mesh`. With `lanes` (workers on this machine), each
+        worker talks over a lane of its own when this transport has them (IPC, `MONARCH_LANES`)."""
         key = os.urandom(32)
         topic = os.urandom(TOPIC)
         rank_topics = [os.urandom(TOPIC) for _ in range(n)]
@@ -192,13 +207,19 @@ class ControllerTransport:
             public, secret = zmq.curve_keypair()
             self.curve.clients.add(public)
         with self.send_lock:
-            self._meshes[mesh_id] = _Mesh(key, topic, rank_topics, public, seen=[0] * n, hello_seen=[0] * n)
+            mesh = _Mesh(key, topic, rank_topics, public, seen=[0] * n, hello_seen=[0] * n)
+            if lanes and self.lanes is not None:
+                mesh.lanes = [None] * n
+            self._meshes[mesh_id] = mesh
             self._topics[topic] = (mesh_id, -1)
             for r, t in enumerate(rank_topics):
                 self._topics[t] = (mesh_id, r)
         server = self.curve.public if self.curve is not None else None
         addrs = (self.cmd_addr, self.reply_addr, self.store_addr)
-        return [WorkerKeys(mesh_id, r, key, topic, rank_topics[r], *addrs, server, public, secret) for r in range(n)]
+        lane = self.lanes.path if mesh.lanes is not None and self.lanes is not None else None
+        return [
+            WorkerKeys(mesh_id, r, key, topic, rank_topics[r], *addrs, server, public, secret, lane) for r in range(n)
+        ]
 
     def await_goodbyes(self, mesh_id: int, ranks: list[int], timeout: float) -> list[int]:
         """Wait up to `timeout` seconds until each of `ranks` (workers that exited when asked) said `Goodbye`,
@@ -226,6 +247,9 @@ class ControllerTransport:
                 for ident, (m, _) in list(self._store_seen.items()):
                     if m == mesh_id:
                         del self._store_seen[ident]
+                for lane in mesh.lanes or ():
+                    if lane is not None:
+                        lane.shut()  # (the receiving thread sees it end and closes it)
         if mesh is not None and self.curve is not None:
             self.curve.clients.discard(mesh.client_public)
 
@@ -264,6 +288,9 @@ class ControllerTransport:
     def _send_all(
         self, mesh_id: int, mesh: _Mesh, ranks: tuple[int, ...] | None, frames: list[bytes | memoryview]
     ) -> None:
+        if mesh.lanes is not None:
+            self._send_lanes(mesh_id, mesh, ranks, frames)
+            return
         for topic in (mesh.topic,) if ranks is None else [mesh.rank_topics[r] for r in ranks]:
             try:
                 _send_whole(self.cmd, topic, frames)
@@ -288,32 +315,94 @@ class ControllerTransport:
                 continue
         raise PeerStalled(mesh_id, ranks, self.settings.send_stall)
 
+    def _send_lanes(self, mesh_id: int, mesh: _Mesh, ranks: tuple[int, ...] | None, frames: list[Any]) -> None:
+        parts = lanes.pack(frames)
+        size, hwm = lanes.size(parts), self.settings.send_hwm
+        assert mesh.lanes is not None
+        for lane in mesh.lanes if ranks is None else [mesh.lanes[r] for r in ranks]:
+            # (a worker whose lane has not come yet has not said Ready: as an unsubscribed one, it misses this)
+            if lane is not None and lane.send(parts, size) > hwm:
+                self._wait_for_lane(mesh_id, mesh, lane)
+
+    def _wait_for_lane(self, mesh_id: int, mesh: _Mesh, lane: Lane) -> None:
+        """Backpressure: more than `send_hwm` commands wait for this worker. Wait until it takes some, while
+        its mesh lives; after `send_stall` seconds in which it took nothing, `PeerStalled`."""
+        hwm, stall = self.settings.send_hwm, self.settings.send_stall
+        poller = select.poll()
+        poller.register(lane.fd, select.POLLOUT)
+        seen, deadline = lane.progress, time.monotonic() + stall
+        while len(lane.out) > hwm and not lane.closed and self._meshes.get(mesh_id) is mesh and not self.closed:
+            poller.poll(10)
+            lane.flush()
+            if lane.progress != seen:
+                seen, deadline = lane.progress, time.monotonic() + stall
+            elif time.monotonic() > deadline:
+                rank = lane.owner[1] if lane.owner is not None else None
+                raise PeerStalled(mesh_id, None if rank is None else (rank,), stall)
+
     # -- receiving replies -------------------------------------------------------------------------
     def set_timeout(self, ms: int) -> None:
         if ms != self._rcvtimeo:
-            self.reply.setsockopt(zmq.RCVTIMEO, ms)
+            if self.lanes is None:
+                self.reply.setsockopt(zmq.RCVTIMEO, ms)
             self._rcvtimeo = ms
 
     def recv(self, block: bool) -> Any:
         """The next reply as an `Envelope` (signature and sequence checked, message unpacked), `POKE`,
         `DROPPED`, or None (nothing within the timeout, or nothing at all when not blocking)."""
+        if self.lanes is not None:
+            return self._recv_any(block)
         try:
             first = self.reply.recv(0 if block else _NOBLOCK, copy=False)
         except zmq.Again:
             return None
         return self._whole(first)
 
+    def _recv_any(self, block: bool) -> Any:
+        """`recv` from the lanes and the reply socket (host agents, pokes) together."""
+        lanes = self.lanes
+        assert lanes is not None
+        messages = lanes.messages
+        deadline = None
+        while True:
+            if messages:
+                lane, frames = messages.popleft()
+                return self._verify(frames, lane=lane)
+            if self._zmq_maybe:
+                try:
+                    first = self.reply.recv(_NOBLOCK, copy=False)
+                except zmq.Again:
+                    self._zmq_maybe = False  # (until the epoll says its descriptor is readable)
+                else:
+                    return self._whole(first)
+            timeout = 0.0
+            if block:
+                if deadline is None:
+                    deadline = time.monotonic() + self._rcvtimeo / 1000 if self._rcvtimeo >= 0 else -1.0
+                timeout = -1.0 if deadline < 0 else max(0.0, deadline - time.monotonic())
+            happened, zmq_ready = lanes.pump(timeout)
+            if zmq_ready:
+                self._zmq_maybe = True
+            elif not happened and timeout >= 0:
+                return None
+
     def poll_briefly(self, seconds: float) -> Any:
         """Like `recv(block=False)`, trying for up to `seconds` (yielding the CPU between tries)."""
         reply = self.reply
         end = time.perf_counter() + seconds
         while True:
-            try:
-                return self._whole(reply.recv(_NOBLOCK, copy=False))
-            except zmq.Again:
-                if time.perf_counter() > end:
-                    return None
-                os.sched_yield()  # anyone runnable here goes first
+            if self.lanes is not None:
+                got = self._recv_any(False)
+                if got is not None:
+                    return got
+            else:
+                try:
+                    return self._whole(reply.recv(_NOBLOCK, copy=False))
+                except zmq.Again:
+                    pass
+            if time.perf_counter() > end:
+                return None
+            os.sched_yield()  # anyone runnable here goes first
 
     def _whole(self, first: zmq.Frame) -> Any:
         if not first.more:
@@ -329,18 +418,26 @@ class ControllerTransport:
         mesh = self._meshes.get(mesh_id)
         return mesh.key if mesh is not None and 0 <= rank < len(mesh.seen) else None
 
-    def _verify(self, frames: Sequence[zmq.Frame | memoryview], upstream: bool = False) -> Any:
+    def _verify(
+        self, frames: Sequence[zmq.Frame | memoryview | bytes], upstream: bool = False, lane: Lane | None = None
+    ) -> Any:
         try:
             env = codec.decode(self._key_of, frames)
             mesh = self._meshes.get(env.mesh_id)
             if mesh is None:
                 return DROPPED  # stopped meanwhile
+            if lane is not None and lane.owner != (env.mesh_id, env.rank) and not self._bind(lane, mesh, env):
+                return DROPPED
             seen = mesh.hello_seen if upstream else mesh.seen
             if env.seq <= seen[env.rank]:
                 self.log("a replayed message", f"rank {env.rank} of mesh {env.mesh_id} already sent number {env.seq}")
                 return DROPPED
             seen[env.rank] = env.seq
             env.message = protocol.unpack(env.message)
+            if lane is not None and type(env.message) in _STARTUP:
+                if self.on_startup is not None:
+                    self.on_startup(env)
+                return DROPPED  # (taken by whoever starts the mesh)
             if type(env.message) is protocol.Goodbye:
                 with self.goodbyes:
                     mesh.goodbyes.add(env.rank)
@@ -354,6 +451,21 @@ class ControllerTransport:
         except Exception as e:  # a header that is not ours (it was signed, so this is a bug)
             self.log("a message", f"its header could not be read: {type(e).__name__}: {e}")
         return DROPPED
+
+    def _bind(self, lane: Lane, mesh: _Mesh, env: codec.Envelope) -> bool:
+        """A lane's first message (its signature checked) says whose lane it is: bind it to that worker, if
+        that worker has no lane yet. Anything else is dropped, and a lane of someone else's is closed."""
+        who = f"rank {env.rank} of mesh {env.mesh_id}"
+        if lane.owner is not None:
+            self.log("a message", f"{who} wrote on the lane of rank {lane.owner[1]} of mesh {lane.owner[0]}")
+            return False
+        if mesh.lanes is None or mesh.lanes[env.rank] is not None:
+            self.log("a lane", f"{who} has {'no lanes' if mesh.lanes is None else 'a lane already'}; closed")
+            lane.shut()
+            return False
+        lane.owner = (env.mesh_id, env.rank)
+        mesh.lanes[env.rank] = lane
+        return True
 
     def poke(self) -> None:
         """Wake a thread blocked in `recv`."""
@@ -415,6 +527,8 @@ class ControllerTransport:
 
     @property
     def reply_fd(self) -> int:
+        if self.lanes is not None:
+            return self.lanes.fileno()  # (level-triggered: readable while a lane or the socket has something)
         return cast(int, self.reply.getsockopt(zmq.FD))
 
     # -- the store's socket (its thread only) ------------------------------------------------------
@@ -467,6 +581,8 @@ class ControllerTransport:
         self.cmd.close(0)
         with self.recv_lock:
             self.reply.close(0)
+            if self.lanes is not None:
+                self.lanes.close()
 
     def close_store(self) -> None:
         self.store.close(0)

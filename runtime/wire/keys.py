@@ -30,6 +30,9 @@ class WorkerKeys:
     """CURVE (TCP only): the controller's public key and this mesh's client key pair."""
     client_public: bytes | None = None
     client_secret: bytes | None = None
+    lane_addr: str | None = None
+    """The controller's lane socket (`wire/lanes.py`): commands and replies go over one connection to it
+    instead of the command and reply sockets. None: the sockets (host agents, TCP)."""
 
 
 TOPIC = 16

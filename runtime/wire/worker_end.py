@@ -1,9 +1,11 @@
 """A worker's end of the transport: commands in (XSUB, on its mesh's topic and its own), replies out (PUSH),
-and one connection per thread to the controller's store. Everything it takes in is checked (signature,
-sender, sequence number) before it is unpickled."""
+or both over one lane (`lanes.py`: a worker on the controller's machine), and one connection per thread to
+the controller's store. Everything it takes in is checked (signature, sender, sequence number) before it is
+unpickled."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -14,14 +16,27 @@ import zmq
 from monarch.runtime.common.log import RateLimitedLog
 from monarch.runtime.wire import codec, protocol
 from monarch.runtime.wire.keys import HELLO, TOPIC, WorkerKeys, curve_client
+from monarch.runtime.wire.lanes import LaneClient
 
 
 class WorkerTransport:
-    """A worker's sockets: commands in (XSUB, on its mesh's topic and its own), replies out (PUSH)."""
+    """A worker's sockets: commands in (XSUB, on its mesh's topic and its own), replies out (PUSH); or its
+    lane for both."""
+
+    cmd: Any
+    """What a command arrives on, for a poller: the XSUB socket, or the lane's descriptor."""
 
     def __init__(self, keys: WorkerKeys) -> None:
         self.keys = keys
-        self.ctx = zmq.Context()
+        self.ctx = zmq.Context()  # (the store's connections, and actors', use it with a lane too)
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._seen = 0
+        self.log = RateLimitedLog(f"monarch worker {keys.rank}")
+        self.lane = LaneClient(keys.lane_addr) if keys.lane_addr is not None else None
+        if self.lane is not None:
+            self.cmd = self.lane.fileno()  # (a poller answers with the descriptor: `cmd in events` holds)
+            return
         self.cmd = self.ctx.socket(zmq.XSUB)
         self.cmd.setsockopt(zmq.RCVHWM, 0)  # what the controller pipelined waits here, in our memory
         self.cmd.setsockopt(zmq.LINGER, 1000)
@@ -34,10 +49,6 @@ class WorkerTransport:
         self.out.setsockopt(zmq.LINGER, 5000)
         curve_client(self.out, keys)
         self.out.connect(keys.reply_addr)
-        self._lock = threading.Lock()
-        self._seq = 0
-        self._seen = 0
-        self.log = RateLimitedLog(f"monarch worker {keys.rank}")
 
     def _encode(self, message: Any, body: Sequence[bytes | memoryview] | None) -> list[bytes | memoryview]:
         self._seq += 1
@@ -48,7 +59,11 @@ class WorkerTransport:
         """A start-up message (`Ready`, `StartFailed`) up the command connection: behind this worker's
         subscriptions on the same connection, so when it arrives, commands reach the worker. Shaped as a
         subscription (`keys.HELLO`), then taken back (an unsubscription of the same bytes: the controller
-        drops it), so it stays in no subscription list. Main thread."""
+        drops it), so it stays in no subscription list. Main thread. (On a lane, the first messages a worker
+        sends say whose lane it is: a start-up message is one like any other.)"""
+        if self.lane is not None:
+            self.send(message)
+            return
         with self._lock:
             (frame,) = self._encode(message, None)  # (start-up messages have no body: one frame)
         self.cmd.send(HELLO + frame)
@@ -58,19 +73,27 @@ class WorkerTransport:
         """Send `message` up (any thread)."""
         with self._lock:
             frames = self._encode(message, body)
-            if len(frames) == 1:
+            if self.lane is not None:
+                self.lane.send(frames)
+            elif len(frames) == 1:
                 self.out.send(frames[0])
             else:
                 self.out.send_multipart(frames, copy=False)
 
     def recv(self) -> codec.Envelope | None:
         """The next command (blocks); None for one that failed its checks (logged)."""
-        cmd = self.cmd
-        frame = cmd.recv(copy=False)
-        frames: list[zmq.Frame | memoryview] = [frame.buffer[TOPIC:]]
-        while frame.more:
+        frames: list[Any]
+        if self.lane is not None:
+            frames = self.lane.recv()  # type: ignore[assignment]
+            if frames is None:  # the controller closed our lane: it dropped this mesh, or it is gone
+                os._exit(1)
+        else:
+            cmd = self.cmd
             frame = cmd.recv(copy=False)
-            frames.append(frame)
+            frames = [frame.buffer[TOPIC:]]
+            while frame.more:
+                frame = cmd.recv(copy=False)
+                frames.append(frame)
         try:
             env = codec.decode(self.keys.key, frames)  # (our mesh's key: a message signed with it is ours)
             if env.mesh_id != self.keys.mesh_id or env.rank != codec.CONTROLLER:
@@ -85,6 +108,10 @@ class WorkerTransport:
             self.log("a command", str(e))
             return None
 
+    def ready(self) -> bool:
+        """Whether a command was read already (a poller on `cmd` would not see it)."""
+        return self.lane is not None and self.lane.ready()
+
     def store_client(self) -> StoreConnection:
         """A connection of its own to the controller's store (one per thread: see `wire/store.py`)."""
         return StoreConnection(self)
@@ -92,7 +119,10 @@ class WorkerTransport:
     def close(self) -> None:
         """Close every socket (the store connections of other threads too), after sending what is queued
         (up to 5 s)."""
-        self.out.close(linger=5000)
+        if self.lane is not None:
+            self.lane.close()  # (what was sent is in the controller's socket already)
+        else:
+            self.out.close(linger=5000)
         self.ctx.destroy(linger=0)  # closes the rest, then waits for the output socket
 
 

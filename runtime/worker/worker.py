@@ -91,6 +91,9 @@ class Worker:
     def _on_sigint(self, signum, frame) -> None:
         (target,) = struct.unpack_from("<q", self.targets, protocol.SLOT * self.rank)
         if target == self.call_id and self.in_user_code:
+            lane = self.transport.lane
+            if lane is not None and lane.defer_interrupt():
+                return  # (raised as soon as the message this thread reads or writes is whole)
             raise KeyboardInterrupt
         if target > 0:  # a call not started yet (perhaps queued behind another thread's): skip it
             if len(self.cancelled) > 1024:  # ids of calls that had finished as they were interrupted
@@ -142,7 +145,7 @@ class Worker:
                 env = self.backlog.popleft()
             else:
                 try:
-                    if self.side_poll is not None:
+                    if self.side_poll is not None and not self.transport.ready():
                         self.side_poll(self.transport.cmd)
                     env = self.transport.recv()
                 except KeyboardInterrupt:

@@ -45,6 +45,27 @@ def local_mesh(socket_dir: str, store_path: str) -> dict:
     return out
 
 
+def lane(path: str) -> dict:
+    """Connect to a controller's lane socket and write a message's worth of bytes; is the connection closed?"""
+    ready()
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(path)
+    except PermissionError:
+        return {"connect": "refused"}
+    s.settimeout(20)
+    try:
+        s.sendall(b"\x01\x00\x00\x00" + (64).to_bytes(8, "little") + bytes(64))
+        closed = s.recv(1) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        closed = True
+    except TimeoutError:
+        closed = False
+    finally:
+        s.close()
+    return {"connect": "allowed", "closed": closed}
+
+
 def shared_memory(pid: int) -> dict:
     """Open the memory a worker shares with its peers for reduces, through any path /proc offers (its mappings,
     its open files), and look for it under /dev/shm."""

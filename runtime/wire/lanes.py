@@ -1,0 +1,451 @@
+"""Lanes: one Unix stream connection per local worker, carrying its commands down and everything it sends up.
+
+Why: a message through ZeroMQ passes two more threads than through a socket (the sender's I/O thread, which
+writes it, and the receiver's, which reads it and wakes the receiving thread). On 2 cores a no-op call to 8
+workers costs 9 processes' wake-ups either way, and ZeroMQ's round trip to 8 forked processes is about 3x a
+Unix socket's (`benchmarks/floor.py`: `rtt` against `rtt_unix`). Workers forked on the controller's own
+machine (`LocalBackend`, IPC transport) talk over lanes; host agents and TCP keep ZeroMQ.
+
+A lane carries exactly the signed frames `codec.encode` makes, each message as::
+
+    frame count k (u32) | k frame lengths (u64 each) | the frames
+
+so everything the sockets check (signature before unpickling, sender, sequence numbers) is checked the same
+way. The listening socket lives in the controller's private directory (mode 0700), and a connection from a
+process of another user is refused (SO_PEERCRED) before anything is read from it. A connection belongs to
+the (mesh, rank) whose key signed its first message, and carries only that worker's messages from then on.
+
+Queues stay bounded: the controller reads a lane only when it has handled what it read before (a worker
+that writes faster than the controller reads waits in its own `send`); commands wait in the controller for
+a worker that does not read, up to `send_hwm` of them, then the sender waits for it (backpressure) and,
+after `send_stall` seconds without progress, gives up (`controller_end.PeerStalled`).
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import os
+import select
+import socket
+import struct
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+_COUNT = struct.Struct("<I")
+_ONE = struct.Struct("<IQ")
+MAX_FRAMES = 4096
+"""More frames than this in one message is a corrupt stream (ours have a handful)."""
+CHUNK = 256 * 1024
+"""Bytes a reader asks for at a time (a reply of 8 workers' no-op calls is under 1 KiB)."""
+
+
+def _nbytes(part: bytes | memoryview) -> int:
+    return len(part) if type(part) is bytes else memoryview(part).nbytes
+
+
+def size(parts: Sequence[bytes | memoryview]) -> int:
+    """Bytes in all of `parts`."""
+    return sum(map(_nbytes, parts))
+
+
+def pack(frames: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+    """The parts to write for one message (the common small message: one bytes object)."""
+    if len(frames) == 1:
+        first = frames[0]
+        n = _nbytes(first)
+        if n < 65536:
+            return [_ONE.pack(1, n) + bytes(first)]
+        return [_ONE.pack(1, n), first]
+    head = struct.pack(f"<I{len(frames)}Q", len(frames), *map(_nbytes, frames))
+    return [head, *frames]
+
+
+class CorruptLane(Exception):
+    """A lane's bytes do not frame messages: the connection is dropped."""
+
+
+class Reader:
+    """Whole messages out of a stream: `fill` reads, `next` cuts a message off (its frames as bytes)."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray(CHUNK)
+        self.start = 0
+        self.end = 0
+        self.want = 0
+        """Bytes the message at `start` needs in all (0: not known yet)."""
+
+    def fill(self, sock: socket.socket, flags: int = 0) -> int:
+        """One read (blocking or not, as the socket is); bytes read, 0 at the end of the stream."""
+        room = max(CHUNK, self.want - (self.end - self.start))
+        if len(self.buf) - self.end < room:
+            self._make_room(room)
+        view = memoryview(self.buf)[self.end :]
+        try:
+            n = sock.recv_into(view, 0, flags)
+        finally:
+            view.release()
+        self.end += n
+        return n
+
+    def _make_room(self, room: int) -> None:
+        data = self.end - self.start
+        if self.start:  # move what is left to the front
+            self.buf[:data] = self.buf[self.start : self.end]
+            self.start, self.end = 0, data
+        if len(self.buf) - self.end < room:
+            self.buf.extend(bytes(room - (len(self.buf) - self.end)))
+
+    def next(self) -> list[bytes] | None:
+        """The next whole message's frames, or None until more is read."""
+        avail = self.end - self.start
+        if avail < 4:
+            return None
+        buf, s = self.buf, self.start
+        (k,) = _COUNT.unpack_from(buf, s)
+        if not 0 < k <= MAX_FRAMES:
+            raise CorruptLane(f"a message of {k} frames")
+        head = 4 + 8 * k
+        if avail < head:
+            self.want = head
+            return None
+        lens = _ONE.unpack_from(buf, s)[1:] if k == 1 else struct.unpack_from(f"<{k}Q", buf, s + 4)
+        total = head + sum(lens)
+        if avail < total:
+            self.want = total
+            return None
+        self.want = 0
+        view = memoryview(buf)
+        try:
+            pos = s + head
+            frames = []
+            for n in lens:
+                frames.append(bytes(view[pos : pos + n]))
+                pos += n
+        finally:
+            view.release()
+        if pos == self.end:
+            self.start = self.end = 0
+            if len(buf) > 16 * CHUNK:  # after a large message: give the memory back
+                self.buf = bytearray(CHUNK)
+        else:
+            self.start = pos
+        return frames
+
+
+def _advance(parts: list[Any], n: int) -> list[Any]:
+    """`parts` without their first `n` bytes."""
+    while n:
+        size = _nbytes(parts[0])
+        if n < size:
+            parts = [memoryview(parts[0]).cast("B")[n:], *parts[1:]]
+            break
+        n -= size
+        parts = parts[1:]
+    return parts
+
+
+# -- a worker's end -----------------------------------------------------------------------------------------
+class LaneClient:
+    """A worker's lane: `send` from any thread (blocking, whole messages), `recv` on the main thread.
+
+    A signal handler that raises (Ctrl-C in a call) must not land between a read or write and its
+    bookkeeping: the stream would lose its framing. The worker's handler asks `defer_interrupt()` first;
+    a deferred interrupt is raised when the message is whole (sent, or its bytes kept for the next `recv`).
+    Waiting for a command is not such a moment: it is interrupted at once (`input()` at a pdb prompt).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self.reader = Reader()
+        self._next: list[bytes] | None = None
+        self.lock = threading.Lock()
+        self.broken = False
+        self._reading: int | None = None
+        self._writing: int | None = None
+        """The thread in the middle of a read or a write (its bookkeeping included)."""
+        self._deferred = False
+        self._poller = select.poll()
+        self._poller.register(self.sock, select.POLLIN)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def defer_interrupt(self) -> bool:
+        """For a signal handler about to raise: True (and the interrupt is raised later, when the stream is
+        in step) if this thread is in the middle of a read or write."""
+        me = threading.get_ident()
+        if me == self._reading or me == self._writing:
+            self._deferred = True
+            return True
+        return False
+
+    def _raise_deferred(self) -> None:
+        if self._deferred:
+            self._deferred = False
+            raise KeyboardInterrupt
+
+    def ready(self) -> bool:
+        """Whether a whole message is already read (waiting on the descriptor would not see it)."""
+        if self._next is None:
+            try:
+                self._next = self.reader.next()
+            except CorruptLane:
+                return True  # (`recv` says so)
+        return self._next is not None
+
+    def recv(self) -> list[bytes] | None:
+        """The next message's frames (blocks); None once the controller closed the lane (or its bytes frame
+        no message: a bug of ours; the lane is useless then)."""
+        taken, self._next = self._next, None
+        try:
+            while taken is None:
+                taken = self.reader.next()
+                if taken is not None:
+                    break
+                if not self._fill():
+                    return None
+        except CorruptLane:
+            return None
+        return taken
+
+    def _fill(self) -> int:
+        """One read, waiting for bytes if none have come: bytes read, 0 at the end of the stream."""
+        while True:
+            self._poller.poll()  # (an interrupt raised here takes nothing from the stream)
+            self._reading = threading.get_ident()
+            try:
+                n: int | None = self.reader.fill(self.sock, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                n = None
+            finally:
+                self._reading = None
+            self._raise_deferred()  # (what was read stays in the reader)
+            if n is not None:
+                return n
+
+    def send(self, frames: Sequence[bytes | memoryview]) -> None:
+        """Write one message whole (any thread; the caller orders messages). A lane the controller closed
+        drops what is sent (the worker exits with its controller)."""
+        parts = pack(frames)
+        with self.lock:
+            self._writing = threading.get_ident()
+            try:
+                while parts and not self.broken:
+                    try:
+                        n = self.sock.sendmsg(parts)
+                    except OSError as e:
+                        if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
+                            raise
+                        self.broken = True
+                        break
+                    parts = _advance(parts, n)
+            finally:
+                self._writing = None
+        self._raise_deferred()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# -- the controller's end -----------------------------------------------------------------------------------
+class Lane:
+    """The controller's end of one worker's lane."""
+
+    def __init__(self, sock: socket.socket, server: LaneServer) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.server = server
+        self.reader = Reader()
+        self.owner: tuple[int, int] | None = None
+        """(mesh id, rank) of the worker, from its first message."""
+        self.out: collections.deque[list[Any]] = collections.deque()
+        """Messages (their parts) the worker has not taken yet, in order; the first may be partly written."""
+        self.lock = threading.Lock()
+        """Guards `out` and writes (senders, and the receiving thread when the socket becomes writable)."""
+        self.closed = False
+        self.progress = 0
+        """Bumped by each write that moved bytes (a sender waiting for room watches it)."""
+        self.writing = False
+        """Whether the epoll watches this lane for room to write (commands wait in `out`)."""
+
+    def send(self, parts: list[Any], size: int) -> int:
+        """Write one message (`size` bytes in all) as far as the socket takes it now, the rest queued; returns
+        how many messages wait."""
+        with self.lock:
+            if self.closed:
+                return 0
+            if self.out:
+                self.out.append(parts)
+                return len(self.out)
+            try:  # (the common case: nothing waits, and the socket takes the whole message)
+                n = self.sock.send(parts[0]) if len(parts) == 1 else self.sock.sendmsg(parts)
+            except BlockingIOError:
+                n = 0
+            except OSError:
+                self._gone()
+                return 0
+            if n == size:
+                self.progress += 1
+                return 0
+            self.progress += bool(n)
+            self.out.append(_advance(parts, n))
+            self.writing = True
+            self.server.want_write(self, True)
+            return 1
+
+    def flush(self) -> None:
+        with self.lock:
+            self._write()
+
+    def _write(self) -> None:
+        out = self.out
+        while out and not self.closed:
+            parts = out[0]
+            try:
+                n = self.sock.sendmsg(parts)
+            except BlockingIOError:
+                break
+            except OSError:
+                self._gone()
+                break
+            self.progress += 1
+            rest = _advance(parts, n)
+            if rest:
+                out[0] = rest
+                break
+            out.popleft()
+        writing = bool(out) and not self.closed
+        if writing != self.writing:
+            self.writing = writing
+            self.server.want_write(self, writing)
+
+    def _gone(self) -> None:
+        """The worker is gone (its exit is reported by the backend's monitor): nothing more is written."""
+        self.closed = True
+        self.out.clear()
+
+    def shut(self) -> None:
+        """Stop the lane (any thread): queued commands are dropped; the receiving thread sees the end and
+        closes the socket."""
+        with self.lock:
+            self.closed = True
+            self.out.clear()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+class LaneServer:
+    """The controller's lanes: a listening socket, the accepted lanes, and one epoll over them (and over any
+    other descriptor the receiver watches, `watch`). Reading, accepting and closing happen on the one thread
+    that receives; senders write to lanes from any thread."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        os.chmod(path, 0o600)
+        self.listener.listen(1024)
+        self.listener.setblocking(False)
+        self.ep = select.epoll()
+        self.ep.register(self.listener.fileno(), select.EPOLLIN)
+        self.lanes: dict[int, Lane] = {}
+        self.messages: collections.deque[tuple[Lane, list[bytes]]] = collections.deque()
+        self.watched: set[int] = set()
+        self.uid = os.getuid()
+        self.refused = 0
+        """Connections refused because another user made them (for the log, and tests)."""
+
+    def fileno(self) -> int:
+        """Readable when a lane has something to read or take (or a watched descriptor is readable)."""
+        return self.ep.fileno()
+
+    def watch(self, fd: int) -> None:
+        self.ep.register(fd, select.EPOLLIN)
+        self.watched.add(fd)
+
+    def want_write(self, lane: Lane, on: bool) -> None:
+        try:
+            self.ep.modify(lane.fd, select.EPOLLIN | select.EPOLLOUT if on else select.EPOLLIN)
+        except (OSError, ValueError):
+            pass  # closed meanwhile
+
+    def pump(self, timeout: float) -> tuple[bool, bool]:
+        """Wait up to `timeout` seconds (-1: for ever) for anything, then act on it: accept, read (whole
+        messages go to `messages`), write what waits, close what ended. Returns (anything happened, a watched
+        descriptor is readable)."""
+        events = self.ep.poll(timeout)
+        watched_ready = False
+        for fd, ev in events:
+            lane = self.lanes.get(fd)
+            if lane is None:
+                if fd in self.watched:
+                    watched_ready = True
+                elif fd == self.listener.fileno():
+                    self._accept()
+                continue
+            if ev & select.EPOLLOUT:
+                lane.flush()
+            if ev & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
+                self._read(lane)
+        return bool(events), watched_ready
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return  # (out of descriptors: the worker's connect fails and it says so)
+            _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if uid != self.uid:
+                self.refused += 1
+                sock.close()
+                continue
+            sock.setblocking(False)
+            lane = Lane(sock, self)
+            self.lanes[lane.fd] = lane
+            self.ep.register(lane.fd, select.EPOLLIN)
+
+    def _read(self, lane: Lane) -> None:
+        try:
+            n = lane.reader.fill(lane.sock)
+        except BlockingIOError:
+            return
+        except OSError:
+            n = 0
+        try:
+            while True:
+                frames = lane.reader.next()
+                if frames is None:
+                    break
+                self.messages.append((lane, frames))
+        except CorruptLane:
+            n = 0
+        if not n or lane.closed:
+            self.drop(lane)
+
+    def drop(self, lane: Lane) -> None:
+        """Close a lane (the receiving thread)."""
+        lane.shut()
+        if self.lanes.pop(lane.fd, None) is not None:
+            try:
+                self.ep.unregister(lane.fd)
+            except (OSError, ValueError):
+                pass
+            lane.sock.close()
+
+    def close(self) -> None:
+        for lane in list(self.lanes.values()):
+            self.drop(lane)
+        self.listener.close()
+        self.ep.close()
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass

@@ -1,0 +1,232 @@
+"""Lanes (runtime/wire/lanes.py): local workers talk to the controller over one Unix stream connection each.
+
+The framing on real sockets however the bytes arrive; Ctrl-C while a worker waits to write; local meshes on
+lanes and, with MONARCH_LANES=0, on the sockets; a worker that takes no commands is dropped after the stall;
+a lane that goes corrupt ends its worker, and its mesh fails naming it. Lanes under attack from another user:
+tests/test_hardening.py.
+"""
+
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+import monarch
+from monarch.runtime.common.config import Settings
+from monarch.runtime.common.errors import WorkerDiedError
+from monarch.runtime.controller import Controller
+from monarch.runtime.mesh import ProcMesh
+from monarch.runtime.wire import lanes
+
+from conftest import wait_for, wait_gone
+
+MESSAGES = [
+    [b"small"],
+    [os.urandom(100_000)],  # one frame, over the size that is copied into its header's bytes
+    [b"head", os.urandom(300_000), b"", memoryview(os.urandom(5000))],
+    [b"x" * 65535],
+]
+
+
+def _wire(messages: list) -> bytes:
+    return b"".join(bytes(p) for m in messages for p in lanes.pack(m))
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
+def test_a_reader_cuts_whole_messages_however_the_bytes_arrive(chunk):
+    data = _wire(MESSAGES)
+    a, b = socket.socketpair()
+    got: list = []
+    reader = lanes.Reader()
+
+    def write():
+        for i in range(0, len(data), chunk):
+            a.sendall(data[i : i + chunk])
+        a.close()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        while True:
+            frames = reader.next()
+            if frames is not None:
+                got.append(frames)
+            elif not reader.fill(b):
+                break
+    finally:
+        writer.join()
+        b.close()
+    assert got == [[bytes(p) for p in m] for m in MESSAGES]
+
+
+@pytest.mark.parametrize("count", [0, lanes.MAX_FRAMES + 1])
+def test_bytes_that_frame_no_message_are_refused(count):
+    a, b = socket.socketpair()
+    a.sendall(struct.pack("<I", count) + bytes(64))
+    reader = lanes.Reader()
+    reader.fill(b)
+    with pytest.raises(lanes.CorruptLane, match=f"a message of {count} frames"):
+        reader.next()
+    a.close()
+    b.close()
+
+
+def test_ctrl_c_while_a_worker_waits_to_write_leaves_every_message_whole(tmp_path):
+    """A worker's send blocks while the controller does not read; Ctrl-C lands in the wait (a handler that
+    raises as the worker's does: unless the lane defers it). The message is written whole all the same,
+    then KeyboardInterrupt is raised; the stream stays in step for the next message."""
+    server = lanes.LaneServer(str(tmp_path / "lanes"))
+    client = lanes.LaneClient(server.path)
+    big = [b"first", os.urandom(4 << 20)]
+    raised = []
+
+    def alarm(signum, frame):
+        if not client.defer_interrupt():
+            raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, 0.05)  # the controller reads nothing for 0.2 s
+    reader = threading.Thread(target=lambda: (time.sleep(0.2), _pump_until(server, 2)))
+    reader.start()
+    try:
+        try:
+            client.send(big)
+        except KeyboardInterrupt:
+            raised.append(True)
+        client.send([b"second"])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        reader.join()
+    assert raised == [True]
+    assert [frames for _, frames in server.messages] == [big, [b"second"]]
+    client.close()
+    server.close()
+
+
+def test_ctrl_c_while_a_worker_waits_for_a_command_interrupts_the_wait_and_loses_nothing(tmp_path):
+    """Waiting for a command (input() at a pdb prompt waits so) is interrupted at once, and what comes next
+    is read whole."""
+    server = lanes.LaneServer(str(tmp_path / "lanes"))
+    client = lanes.LaneClient(server.path)
+    client.send([b"hello"])  # (whose lane it is: the controller binds it on its first message)
+    _pump_until(server, 1)
+    (lane,) = server.lanes.values()
+
+    def alarm(signum, frame):
+        if not client.defer_interrupt():
+            raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, 0.1)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            client.recv()  # nothing comes
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    big = [b"next", os.urandom(1 << 20)]
+    parts = lanes.pack(big)
+    lane.send(parts, lanes.size(parts))
+    stop = threading.Event()
+    pumper = threading.Thread(target=lambda: [server.pump(0.05) for _ in iter(stop.is_set, True)])
+    pumper.start()  # (writes what waits, as the controller's receiving thread does)
+    try:
+        assert client.recv() == big
+    finally:
+        stop.set()
+        pumper.join()
+    client.close()
+    server.close()
+
+
+def _pump_until(server: lanes.LaneServer, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while len(server.messages) < n and time.monotonic() < deadline:
+        server.pump(0.1)
+
+
+@monarch.remote
+def on_a_lane():
+    from monarch.runtime.worker import worker
+
+    return worker.current.transport.lane is not None
+
+
+@monarch.remote
+def nap(seconds):
+    time.sleep(seconds)
+    return os.getpid()
+
+
+@monarch.remote
+def take(blob):
+    return len(blob)
+
+
+def _controller(**settings) -> Controller:
+    return Controller(Settings(**settings))
+
+
+@pytest.mark.parametrize("use_lanes", [True, False])
+def test_local_workers_talk_over_lanes_unless_told_not_to(use_lanes):
+    ctl = _controller(lanes=use_lanes)
+    try:
+        spawned = ctl.spawn({"gpu": 3})
+        mesh = ProcMesh(spawned, spawned.shape)
+        pids = [i["pid"] for i in spawned.info]
+        assert list(on_a_lane.on(mesh)()) == [use_lanes] * 3
+        bound = ctl.backend.transport._meshes[spawned.mesh_id].lanes
+        assert (bound is not None and all(lane is not None for lane in bound)) == use_lanes
+        blob = os.urandom(3 << 20)  # a large argument and result both ways
+        assert list(take.on(mesh)(blob)) == [len(blob)] * 3
+        assert list(take.on(mesh.slice(gpu=1))(b"x")) == [1]  # to one worker
+        mesh.exit()
+    finally:
+        ctl.shutdown()
+    assert wait_gone(pids) == []
+
+
+def test_a_worker_that_takes_no_commands_is_dropped_after_the_stall():
+    """Commands wait in the controller for a worker busy in a call; past `send_hwm` of them the sender waits
+    for it, and after `send_stall` seconds in which it took none, the worker is dropped, named."""
+    ctl = _controller(send_hwm=3, send_stall=1.0)
+    try:
+        spawned = ctl.spawn({"gpu": 2})
+        mesh = ProcMesh(spawned, spawned.shape)
+        pids = [i["pid"] for i in spawned.info]
+        one = mesh.slice(gpu=1)
+        busy = nap.on(one).call_async(60)
+        blob = os.urandom(1 << 20)  # each fills the socket's buffer: the rest wait in the controller
+        with pytest.raises(WorkerDiedError) as e:  # (the call that waited for room raises, and any after it)
+            for _ in range(50):
+                take.on(one).call_async(blob)
+        assert "rank 1 (gpu=1)" in str(e.value) and "took no commands for 1 s while 3 were queued" in str(e.value)
+        with pytest.raises(WorkerDiedError, match="took no commands"):
+            busy.result(timeout=60)
+    finally:
+        ctl.shutdown()
+    assert wait_gone(pids) == []
+
+
+def test_a_lane_that_goes_corrupt_ends_its_worker_and_the_mesh_fails_naming_it():
+    ctl = _controller()
+    try:
+        spawned = ctl.spawn({"gpu": 2})
+        mesh = ProcMesh(spawned, spawned.shape)
+        pids = [i["pid"] for i in spawned.info]
+        lane = ctl.backend.transport._meshes[spawned.mesh_id].lanes[0]
+        with lane.lock:
+            lane.sock.setblocking(True)
+            lane.sock.sendall(struct.pack("<I", 0) + bytes(16))  # no message has 0 frames
+            lane.sock.setblocking(False)
+        wait_for(lambda: mesh.status()[0] == "failed", what="rank 0 to be reported lost")
+        with pytest.raises(WorkerDiedError, match=r"rank 0 \(gpu=0\)"):
+            list(take.on(mesh)(b"x"))
+    finally:
+        ctl.shutdown()
+    assert wait_gone(pids) == []
