@@ -37,8 +37,10 @@ _COUNT = struct.Struct("<I")
 _ONE = struct.Struct("<IQ")
 MAX_FRAMES = 4096
 """More frames than this in one message is a corrupt stream (ours have a handful)."""
-CHUNK = 256 * 1024
-"""Bytes a reader asks for at a time (a reply of 8 workers' no-op calls is under 1 KiB)."""
+CHUNK = 64 * 1024
+"""Bytes a reader asks for at a time, at least (a no-op call's message is under 200 bytes, a batch of 256 tensor
+commands about 20 KiB; a larger message is read whole into a buffer of its size). Each lane has one such
+buffer at each end."""
 
 
 def _nbytes(part: bytes | memoryview) -> int:
