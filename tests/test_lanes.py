@@ -63,13 +63,20 @@ def test_a_reader_cuts_whole_messages_however_the_bytes_arrive(chunk):
     assert got == [[bytes(p) for p in m] for m in MESSAGES]
 
 
-@pytest.mark.parametrize("count", [0, lanes.MAX_FRAMES + 1])
-def test_bytes_that_frame_no_message_are_refused(count):
+@pytest.mark.parametrize(
+    "head, why",
+    [
+        (struct.pack("<I", 0), "a message of 0 frames"),
+        (struct.pack("<I", lanes.MAX_FRAMES + 1), f"a message of {lanes.MAX_FRAMES + 1} frames"),
+        (struct.pack("<IQ", 1, 1 << 62), f"a message of {12 + (1 << 62)} bytes"),  # (not a buffer to allocate)
+    ],
+)
+def test_bytes_that_frame_no_message_are_refused(head, why):
     a, b = socket.socketpair()
-    a.sendall(struct.pack("<I", count) + bytes(64))
+    a.sendall(head + bytes(64))
     reader = lanes.Reader()
     reader.fill(b)
-    with pytest.raises(lanes.CorruptLane, match=f"a message of {count} frames"):
+    with pytest.raises(lanes.CorruptLane, match=why):
         reader.next()
     a.close()
     b.close()

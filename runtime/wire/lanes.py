@@ -37,6 +37,8 @@ _COUNT = struct.Struct("<I")
 _ONE = struct.Struct("<IQ")
 MAX_FRAMES = 4096
 """More frames than this in one message is a corrupt stream (ours have a handful)."""
+MAX_BYTES = 1 << 40
+"""A message longer than this (1 TiB) is a corrupt stream, not a buffer to allocate."""
 CHUNK = 64 * 1024
 """Bytes a reader asks for at a time, at least (a no-op call's message is under 200 bytes, a batch of 256 tensor
 commands about 20 KiB; a larger message is read whole into a buffer of its size). Each lane has one such
@@ -114,6 +116,8 @@ class Reader:
             return None
         lens = _ONE.unpack_from(buf, s)[1:] if k == 1 else struct.unpack_from(f"<{k}Q", buf, s + 4)
         total = head + sum(lens)
+        if total > MAX_BYTES:
+            raise CorruptLane(f"a message of {total} bytes")
         if avail < total:
             self.want = total
             return None
