@@ -83,23 +83,27 @@ def test_bytes_that_frame_no_message_are_refused(head, why):
 
 
 def test_ctrl_c_while_a_worker_waits_to_write_leaves_every_message_whole(tmp_path):
-    """A worker's send blocks while the controller does not read; Ctrl-C lands in the wait (a handler that
-    raises as the worker's does: unless the lane defers it). The message is written whole all the same,
-    then KeyboardInterrupt is raised; the stream stays in step for the next message."""
+    """A worker's send blocks while the controller does not read; Ctrl-C lands in the wait (the handler asks
+    the lane to defer it, as the worker's does). The message is written whole all the same, then
+    KeyboardInterrupt is raised; the stream stays in step for the next message."""
     server = lanes.LaneServer(str(tmp_path / "lanes"))
     client = lanes.LaneClient(server.path)
-    big = [b"first", os.urandom(4 << 20)]
+    big = [b"first", os.urandom(4 << 20)]  # (far more than a socket holds: the send waits for the reader)
     raised = []
+    landed = threading.Event()
 
     def alarm(signum, frame):
-        if not client.defer_interrupt():
-            raise KeyboardInterrupt
+        if client.defer_interrupt():
+            landed.set()
+        else:  # (not in the write yet: ring again)
+            signal.setitimer(signal.ITIMER_REAL, 0.01)
 
     old = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, 0.05)  # the controller reads nothing for 0.2 s
-    reader = threading.Thread(target=lambda: (time.sleep(0.2), _pump_until(server, 2)))
+    # The controller reads nothing until the interrupt has landed in the blocked write.
+    reader = threading.Thread(target=lambda: landed.wait(30) and _pump_until(server, 2))
     reader.start()
     try:
+        signal.setitimer(signal.ITIMER_REAL, 0.01)
         try:
             client.send(big)
         except KeyboardInterrupt:
@@ -108,6 +112,7 @@ def test_ctrl_c_while_a_worker_waits_to_write_leaves_every_message_whole(tmp_pat
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+        landed.set()
         reader.join()
     assert raised == [True]
     assert [frames for _, frames in server.messages] == [big, [b"second"]]
@@ -129,9 +134,9 @@ def test_ctrl_c_while_a_worker_waits_for_a_command_interrupts_the_wait_and_loses
             raise KeyboardInterrupt
 
     old = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, 0.1)
     try:
         with pytest.raises(KeyboardInterrupt):
+            signal.setitimer(signal.ITIMER_REAL, 0.1)
             client.recv()  # nothing comes
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
