@@ -170,9 +170,8 @@ def on_a_lane():
 
 
 @monarch.remote
-def nap(seconds):
-    time.sleep(seconds)
-    return os.getpid()
+def busy():
+    threading.Event().wait()  # busy in a call until the worker is dropped (and killed)
 
 
 @monarch.remote
@@ -212,14 +211,14 @@ def test_a_worker_that_takes_no_commands_is_dropped_after_the_stall():
         mesh = ProcMesh(spawned, spawned.shape)
         pids = [i["pid"] for i in spawned.info]
         one = mesh.slice(gpu=1)
-        busy = nap.on(one).call_async(60)
+        busy_call = busy.on(one).call_async()
         blob = os.urandom(1 << 20)  # each fills the socket's buffer: the rest wait in the controller
         with pytest.raises(WorkerDiedError) as e:  # (the call that waited for room raises, and any after it)
             for _ in range(50):
                 take.on(one).call_async(blob)
         assert "rank 1 (gpu=1)" in str(e.value) and "took no commands for 1 s while 3 were queued" in str(e.value)
         with pytest.raises(WorkerDiedError, match="took no commands"):
-            busy.result(timeout=60)
+            busy_call.result(timeout=60)
     finally:
         ctl.shutdown()
     assert wait_gone(pids) == []

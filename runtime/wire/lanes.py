@@ -33,6 +33,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from monarch.runtime.wire.debug import peer_uid
+
 _COUNT = struct.Struct("<I")
 _ONE = struct.Struct("<IQ")
 MAX_FRAMES = 4096
@@ -408,8 +410,7 @@ class LaneServer:
                 return
             except OSError:
                 return  # (out of descriptors: the worker's connect fails and it says so)
-            _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            if uid != self.uid:
+            if peer_uid(sock) != self.uid:
                 self.refused += 1
                 sock.close()
                 continue
