@@ -15,6 +15,10 @@ def test_defaults_and_values_read_from_the_environment():
     assert (s.transport, s.bind_addr, s.spin, s.send_hwm, s.group_timeout) == ("tcp", "10.0.0.2", 0.00025, 64, 30.0)
     assert Settings().prewarm is True and from_env({"MONARCH_PREWARM": "0"}).prewarm is False
     assert Settings().lanes is True and from_env({"MONARCH_LANES": "no"}).lanes is False
+    assert Settings().worker_nice == 0 and from_env({"MONARCH_WORKER_NICE": "10"}).worker_nice == 10
+
+
+NICE = "give an integer from 0 (the controller's priority) to 19"
 
 
 @pytest.mark.parametrize(
@@ -25,6 +29,9 @@ def test_defaults_and_values_read_from_the_environment():
         ("MONARCH_SEND_HWM", "0", "MONARCH_SEND_HWM='0' is too small; give an integer >= 1"),
         ("MONARCH_FROZEN_AFTER", "-1", "MONARCH_FROZEN_AFTER='-1' is too small; give a number >= 0"),
         ("MONARCH_PREWARM", "maybe", "MONARCH_PREWARM='maybe'; use 1 (start the fork server with the kernel) or 0"),
+        ("MONARCH_WORKER_NICE", "20", f"MONARCH_WORKER_NICE='20'; {NICE}"),
+        ("MONARCH_WORKER_NICE", "-5", f"MONARCH_WORKER_NICE='-5'; {NICE}"),
+        ("MONARCH_WORKER_NICE", "low", f"MONARCH_WORKER_NICE='low'; {NICE}"),
         ("MONARCH_LANES", "2", "MONARCH_LANES='2'; use 1 (local workers talk over Unix stream connections) or 0"),
     ],
 )

@@ -243,7 +243,7 @@ class Agent:
                        LOCAL_WORLD_SIZE=str(local))  # fmt: skip
             cfg = protocol.WorkerStart(
                 keys, coords, msg.sizes, local_rank, label, path, env, cwd, sys_path, threads, fork_server_pid(),
-                os.getpid(), msg.group_timeout,
+                os.getpid(), msg.group_timeout, 0,  # (no controller on this host to yield to)
             )  # fmt: skip
             try:
                 self.procs.fork(msg.mesh_id, rank, cfg)

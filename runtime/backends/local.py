@@ -106,7 +106,7 @@ class LocalBackend(Backend):
                 wenv = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n))
                 cfg = protocol.WorkerStart(
                     keys[rank], coords, shape.size_dict, rank, labels[rank], path, wenv, os.getcwd(), list(sys.path),
-                    threads, fork_server_pid(), os.getpid(), self.settings.group_timeout,
+                    threads, fork_server_pid(), os.getpid(), self.settings.group_timeout, self.settings.worker_nice,
                 )  # fmt: skip
                 self.procs.fork(mesh_id, rank, cfg)
             exits = lambda: {r: exit_cause(c) for r, c in self.procs.exited(mesh_id).items()}  # noqa: E731

@@ -22,6 +22,7 @@ def run(cfg: Any) -> None:
     _die_with_parent(cfg.parent_pid)
     _exit_with_controller(cfg.controller_pid)
     os.setsid()  # terminal Ctrl-C goes to the controller, which forwards interrupts
+    yield_to_controller(cfg.nice)
     name_process(f"monarch worker {cfg.label} mesh {cfg.keys.mesh_id}", f"monarch {cfg.label}")
     os.environ.update(cfg.env)
     from monarch.runtime.common import log
@@ -32,6 +33,28 @@ def run(cfg: Any) -> None:
     from monarch.runtime.worker.worker import Worker
 
     Worker(cfg).run()
+
+
+def yield_to_controller(nice: int) -> None:
+    """Run `nice` steps below the controller's CPU priority, so that on a machine with fewer free cores than
+    workers the controller, which issues their work, is not made to wait for a core by the workers it feeds.
+
+    Both ways Linux shares CPUs: this thread's nice value (threads it starts inherit it), and, as `setsid`
+    made this process a session of its own, its session's autogroup (with autogroups on, Linux shares CPUs
+    between sessions first: 8 workers would be 8 sessions against the controller's one). Raising either is
+    allowed to any user; where one is not there (no autogroups) it is skipped.
+    """
+    if nice <= 0:
+        return
+    try:
+        os.nice(nice)
+    except OSError:
+        pass
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:
+        pass
 
 
 def name_process(title: str, short: str) -> None:

@@ -40,6 +40,9 @@ class WorkerStart:
     """The controller's process; the worker exits the moment it is gone."""
     group_timeout: float
     """Seconds collectives and the store wait."""
+    nice: int
+    """How much lower than the controller's this worker's CPU priority is (0: the same); see
+    `config.Settings.worker_nice`."""
 
 
 @message(6)
