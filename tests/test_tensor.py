@@ -968,3 +968,135 @@ def test_an_op_whose_argument_cannot_be_sent_fails_alone(mesh):
     with pytest.raises(monarch.RemoteError, match="an argument of aten::add.Tensor cannot be sent to the workers"):
         monarch.inspect(bad)
     assert monarch.inspect(before).tolist() == [7.0, 7.0] and monarch.inspect(after).tolist() == [8.0, 8.0]
+
+
+OPERATORS = ["x + 1", "1 + x", "x - 2.5", "2 - x", "x * y", "x / 4", "3 / x", "x ** 2", "2 ** x", "x // 2",
+             "x % 2", "x == 2", "x < y", "x + True", "x @ y"]  # fmt: skip
+
+
+def _counting_dispatch(monkeypatch) -> list:
+    """Count the ops that reach the capture mode through torch's dispatch."""
+    from monarch.runtime.tensor import capture
+
+    calls: list = []
+    real = capture._Capture.__torch_dispatch__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        calls.append(func)
+        return real(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(capture._Capture, "__torch_dispatch__", counted)
+    return calls
+
+
+def test_operators_learned_from_torch_skip_its_dispatch_and_give_what_it_gives(mesh, monkeypatch):
+    """An operator on a handle goes through torch's dispatch the first time for operands like these, which
+    says which op it is; later ones go straight to the op. Both give torch's results on the workers."""
+    from monarch.runtime.tensor import handles
+
+    calls = _counting_dispatch(monkeypatch)
+    local = {"x": torch.arange(1.0, 5.0), "y": torch.full((4,), 3.0)}
+    with mesh.activate():
+        handles_ = {"x": torch.arange(1.0, 5.0), "y": torch.full((4,), 3.0)}
+        results = []
+        for _ in range(2):
+            calls.clear()
+            results.append([eval(e, {}, handles_) for e in OPERATORS])
+    learned = {key[0] for key in handles._OPERATORS}
+    assert {"__add__", "__radd__", "__rsub__", "__rpow__", "__matmul__", "__eq__"} <= learned
+    assert "__rtruediv__" not in learned  # `3 / x` is two ops: x.reciprocal() * 3, the second an operator itself
+    assert [str(f) for f in calls] == ["aten.reciprocal.default"]  # all torch dispatched in the second round
+    for e, first, second in zip(OPERATORS, *results):
+        want = eval(e, {}, local)
+        assert torch.equal(monarch.inspect(first), want) and torch.equal(monarch.inspect(second), want), e
+
+
+def test_the_operators_fast_path_steps_aside_for_autograd_modes_and_autocast(mesh, monkeypatch):
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.funcs = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.funcs.append(func)
+            return func(*args, **(kwargs or {}))
+
+    class Through(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    calls = _counting_dispatch(monkeypatch)
+    with mesh.activate():
+        x = torch.ones(4)
+        w = torch.ones(4, requires_grad=True)
+        for _ in range(2):
+            x * 2, w * 2  # learned, if not yet
+        calls.clear()
+        assert (w * 2).grad_fn is not None and calls  # autograd records it: torch dispatches it
+        calls.clear()
+        seen = Seen()
+        with seen:
+            x * 2
+        assert seen.funcs and calls  # another function mode sees it
+        calls.clear()
+        with Through():
+            x * 2
+        assert calls
+        calls.clear()
+        with torch.autocast("cpu"):
+            x * 2
+        assert calls
+        calls.clear()
+        x * 2
+        assert calls == []  # and with none of them, the learned op
+    assert torch.equal(monarch.inspect(x * 2), torch.full((4,), 2.0))
+
+
+def test_operators_learned_on_two_threads_at_once_keep_nothing(mesh, monkeypatch):
+    """Thread A learns an operator; inside it thread B starts learning another and is still at it when A is
+    done. Each thread records its own ops: afterwards nothing records, and dropped handles are freed."""
+    import threading
+    import weakref
+
+    from monarch.runtime.tensor import capture, handles
+
+    real = capture.run
+    b_inside, a_done = threading.Event(), threading.Event()
+    state: dict = {}
+
+    def run(mesh_, func, args, kwargs):
+        if threading.current_thread() is b_thread:
+            b_inside.set()
+            assert a_done.wait(30)
+        elif not b_thread.is_alive() and "started" not in state:
+            state["started"] = True
+            b_thread.start()
+            assert b_inside.wait(30)
+        return real(mesh_, func, args, kwargs)
+
+    def b_work():
+        with mesh.activate():
+            y = torch.ones(7, 3)
+            state["b"] = weakref.ref(y)
+            state["b_out"] = monarch.inspect(y * 5)
+
+    b_thread = threading.Thread(target=b_work)
+    with mesh.activate():
+        x = torch.ones(5, 3)
+    monkeypatch.setattr(capture, "run", run)
+    with mesh.activate():
+        out = x - 4  # (shapes no other test uses: both operators are learned here)
+    a_done.set()
+    b_thread.join(30)
+    monkeypatch.setattr(capture, "run", real)
+    assert handles._learning.seen is None
+    assert ("__sub__", x._meta, int) in handles._OPERATORS and torch.equal(state["b_out"], torch.full((7, 3), 5.0))
+    assert torch.equal(monarch.inspect(out), torch.full((5, 3), -3.0))
+    held = weakref.ref(x)
+    with mesh.activate():
+        x + 1  # (a learned operator now)
+    del x, out
+    assert held() is None and state["b"]() is None

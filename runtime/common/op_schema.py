@@ -26,6 +26,11 @@ def written_args(op: Any, args: tuple, kwargs: dict) -> list:
     return written
 
 
+def may_write_unannotated(op: Any) -> bool:
+    """Whether `op` is one that writes arguments its schema does not mark (see `written_args`)."""
+    return op.name() in _UNANNOTATED_WRITES
+
+
 _alias_plans: dict[Any, list[tuple[int, int, str]]] = {}
 
 

@@ -22,6 +22,12 @@ class _Capture(TorchDispatchMode):
     def __init__(self, mesh) -> None:
         super().__init__()
         self.mesh = mesh
+        self.monarch_mesh = mesh
+        """(how `handles` recognizes this mode as the one on top, for its operators' fast path)"""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # (torch's default wraps __torch_dispatch__ in two more Python calls per op)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "profiler":  # record_function markers (e.g. in optimizer.step()): the controller's

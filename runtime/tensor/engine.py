@@ -24,6 +24,8 @@ from monarch.runtime.tensor.streams import Stream, get_active_stream
 from monarch.runtime.wire import codec
 from monarch.runtime.wire import protocol as P
 
+codec.register_reducer(P.Ref, P.Ref.__reduce__)  # (a batch holds many)
+
 BATCH = 256
 """Commands kept before a batch is sent on its own."""
 FREE_DELAY = 0.1
@@ -35,6 +37,8 @@ class Engine:
 
     def __init__(self, spawned) -> None:
         self.spawned = spawned
+        self.weak = weakref.ref(self)
+        """(each handle holds it: made once)"""
         self.ids = itertools.count(1)
         self.batches: dict[tuple[int, ...], list] = {}
         self.dead: list[tuple] = []

@@ -8,6 +8,7 @@ torch.Tensor subclass holding a reference id, the mesh view, the stream, and the
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.utils._pytree import tree_map
 
-from monarch.runtime.common.op_schema import alias_plan, written_args
+from monarch.runtime.common.op_schema import alias_plan, may_write_unannotated, written_args
 from monarch.runtime.tensor import known as known_values
 from monarch.runtime.tensor.checks import (
     check_alive,
@@ -28,6 +29,7 @@ from monarch.runtime.tensor.checks import (
     where,
 )
 from monarch.runtime.tensor.engine import Engine, engine_for
+from monarch.runtime.tensor.patches import CudaMeansCpu
 from monarch.runtime.tensor.streams import MAIN, Borrow, Stream, get_active_stream
 from monarch.runtime.wire import protocol as P
 from monarch.runtime.wire.protocol import Ref
@@ -56,7 +58,7 @@ class Tensor(torch.Tensor):
         r._lent = []  # Borrows of this tensor (and its views) not yet dropped
         r._root = None  # for a view (or an in-place op's result): the handle that owns the memory
         r._value = None  # the value, where the controller knows it (see tensor_known)
-        r._engine_ref = weakref.ref(engine_for(mesh.spawned))
+        r._engine_ref = engine_for(mesh.spawned).weak
         return r
 
     @property
@@ -147,9 +149,21 @@ _BINARY = [
 
 def _strict(name: str):
     base = getattr(torch.Tensor, name)
+    learns = not name.startswith("__i")  # (in-place operators: torch's dispatch also bumps the version counter)
 
     def method(self, *args):
         clear_rejected()
+        if learns and len(args) == 1 and type(self) is Tensor:
+            other = args[0]
+            kind = type(other)
+            if kind is Tensor or kind in _SCALARS:
+                mesh = _plain_capture(self, other, kind)
+                if mesh is not None:
+                    key = (name, self._meta, other._meta if kind is Tensor else kind)
+                    plan = _OPERATORS.get(key)
+                    if plan is not None:
+                        return run(mesh, plan[0], (other, self) if plan[1] else (self, other), {})
+                    return _learn(key, base, self, other)
         out = base(self, *args)
         if out is NotImplemented and rejected() is not None:
             raise rejected()
@@ -157,6 +171,70 @@ def _strict(name: str):
 
     method.__name__ = name
     return method
+
+
+_SCALARS = (int, float, bool)
+_OPERATORS: dict[tuple, tuple[Any, bool]] = {}
+"""(operator, this handle's metadata, the other operand's metadata or type) -> (the op torch dispatched for
+it, whether it took the operands swapped): learned from torch's own dispatch of the first such call, so
+that the next ones go to `run` directly, skipping torch's dispatch through the modes (a third of the
+controller's time per op)."""
+
+
+class _Learning(threading.local):
+    seen: list | None = None
+    """While `_learn` runs an operator through torch on this thread: what reached `run`, as (op, args, kwargs)."""
+
+
+_learning = _Learning()
+
+
+def _plain_capture(self: Tensor, other: Any, kind: type) -> Any:
+    """The mesh whose capture mode is the only dispatch mode, if nothing else would take part in dispatching
+    an operator on these operands (no autograd, autocast, other function or dispatch modes); else None."""
+    if torch._C._len_torch_dispatch_stack() != 1 or _any_requires_grad(self, other):
+        return None
+    if torch._C._is_any_autocast_enabled():
+        return None
+    functions = torch._C._len_torch_function_stack()
+    if functions and (functions > 1 or type(torch._C._get_function_stack_at(0)) is not CudaMeansCpu):
+        return None
+    return getattr(torch._C._get_dispatch_stack_at(0), "monarch_mesh", None)
+
+
+_any_requires_grad: Callable[..., bool] = getattr(
+    torch._C, "_any_requires_grad", lambda *ts: any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts)
+)
+"""(torch's, which unlike `t.requires_grad` does not call the function modes: CudaMeansCpu's Python, per op)"""
+
+
+def _learn(key: tuple, base: Callable, self: Tensor, other: Any) -> Any:
+    """Run an operator through torch and remember which op it became, if it became exactly one, taking the
+    operands as they are (either way round): most do (`x + 1`: aten.add.Tensor(x, 1)); some do not
+    (`1 / x`: reciprocal, then mul)."""
+    outer, seen = _learning.seen, []
+    _learning.seen = seen
+    try:
+        out = base(self, other)
+    finally:
+        _learning.seen = outer
+        if outer is not None:  # (an operator inside another's learning: `1 / x` is `x.reciprocal() * 1`)
+            outer.extend(seen)
+    if out is NotImplemented:
+        if rejected() is not None:
+            raise rejected()
+        return out
+    if len(seen) == 1 and not seen[0][2] and len(_OPERATORS) < 10_000:
+        func, args, _ = seen[0]
+        if len(args) == 2 and args[0] is self and _same(args[1], other):
+            _OPERATORS[key] = (func, False)
+        elif len(args) == 2 and args[1] is self and _same(args[0], other):
+            _OPERATORS[key] = (func, True)
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a is b or (type(a) is type(b) and type(b) in _SCALARS and a == b)
 
 
 for _name in _BINARY:
@@ -183,6 +261,9 @@ def run(mesh, func, args: tuple, kwargs: dict) -> Any:
     spawned = mesh.spawned
     if spawned.state != "running":
         check_alive(func, spawned)
+    seen = _learning.seen
+    if seen is not None:
+        seen.append((func, args, kwargs))
     engine = engine_for(spawned)
     stream = get_active_stream()
     mutated = _mutated_args(func, args, kwargs)
@@ -242,11 +323,16 @@ def run(mesh, func, args: tuple, kwargs: dict) -> Any:
         args[0]._root = args[1]._root if args[1]._root is not None else args[1]
     if computed:
         known_values.attach(out, values, Tensor, aliases, mutated)
-    engine.push(mesh._shape.ranks, P.Op(func.name(), wire_args, wire_kwargs, _ids_like(out), where()), stream)
+    name = _names.get(func)
+    if name is None:
+        name = _names[func] = func.name()
+    engine.push(mesh._shape.ranks, P.Op(name, wire_args, wire_kwargs, _ids_like(out), where()), stream)
     return out
 
 
 _SHARES_MEMORY = {torch.ops.aten.set_.source_Tensor, torch.ops.aten.set_.source_Tensor_storage_offset}
+_names: dict[Any, str] = {}
+"""op -> its name as the workers look it up (`aten::add.Tensor`)."""
 
 
 @functools.cache
@@ -257,6 +343,17 @@ def _takes_dtype(func) -> bool:
 
 def _walk(obj: Any, tensors: list, key: list) -> Any:
     """`obj` for the wire (handles become `Ref`s); collects tensors, and a hashable description in `key`."""
+    kind = type(obj)
+    if kind is Tensor:
+        tensors.append(obj)
+        key.append(obj._meta)
+        return Ref(obj._ref)
+    if kind in _ATOMS:
+        key.append(obj)
+        return obj
+    if kind is tuple:
+        key.append((tuple, len(obj)))
+        return tuple([_walk(o, tensors, key) for o in obj])
     if isinstance(obj, Tensor):
         tensors.append(obj)
         key.append(obj._meta)
@@ -274,6 +371,10 @@ def _walk(obj: Any, tensors: list, key: list) -> Any:
         return {k: _walk(v, tensors, key) for k, v in obj.items()}
     key.append(obj)
     return obj
+
+
+_ATOMS = {int, float, bool, str, type(None), torch.dtype, torch.device}
+"""Argument types taken as they are."""
 
 
 def _fake_run(engine: Engine, func, args: tuple, kwargs: dict) -> Any:
@@ -316,8 +417,12 @@ def _build(spec: Any, engine: Engine, mesh, stream: Stream) -> Any:
 
 def _mutated_args(func, args: tuple, kwargs: dict) -> set[int]:
     """ids of the arguments `func` writes to (in-place ops, out= forms, foreach lists)."""
-    if getattr(func, "_schema", None) is None:
-        return set()
+    writes = _writes.get(func)
+    if writes is None:
+        schema = getattr(func, "_schema", None)
+        writes = _writes[func] = schema is not None and (schema.is_mutable or may_write_unannotated(func))
+    if not writes:
+        return _NONE
     out: set[int] = set()
     for v in written_args(func, args, kwargs):
         if isinstance(v, list | tuple):
@@ -325,6 +430,11 @@ def _mutated_args(func, args: tuple, kwargs: dict) -> set[int]:
         else:
             out.add(id(v))
     return out
+
+
+_writes: dict[Any, bool] = {}
+"""op -> whether it may write an argument (most ops write none: their set is `_NONE`, not looked for)."""
+_NONE: set[int] = set()
 
 
 def _note_aliases(func, args: tuple, kwargs: dict, out: Any) -> dict[int, Any]:
