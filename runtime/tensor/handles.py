@@ -264,17 +264,19 @@ def run(mesh, func, args: tuple, kwargs: dict) -> Any:
     seen = _learning.seen
     if seen is not None:
         seen.append((func, args, kwargs))
-    engine = engine_for(spawned)
+    engine = spawned.engine or engine_for(spawned)
     stream = get_active_stream()
-    mutated = _mutated_args(func, args, kwargs)
+    info = _OP_INFO.get(func) or _op_info(func)
+    mutated = _mutated_args(func, args, kwargs) if info.writes else _NONE
     tensors: list[torch.Tensor] = []
     default_dtype = torch.get_default_dtype()
-    key_parts: list = [func, default_dtype]  # factories' results follow it
+    key_parts: list = [info, default_dtype]  # factories' results follow it
     wire_args = _walk(args, tensors, key_parts)
-    wire_kwargs = _walk(kwargs, tensors, key_parts)
+    wire_kwargs = _walk(kwargs, tensors, key_parts) if kwargs else _NO_KWARGS
     for x in tensors:
-        if isinstance(x, Tensor):
-            check_same_mesh(func, x, mesh)
+        if type(x) is Tensor or isinstance(x, Tensor):
+            if x._mesh is not mesh:
+                check_same_mesh(func, x, mesh)
             root = x._root if x._root is not None else x
             if x._stream is not stream or root._lent or root._borrow is not None:
                 check_stream(func, x, stream, mutating=id(x) in mutated)
@@ -283,8 +285,8 @@ def run(mesh, func, args: tuple, kwargs: dict) -> Any:
         spec = engine.specs.get(key)
     except TypeError:  # an argument that cannot be hashed: no caching for this op
         key, spec = None, None
-    known = known_values.all_known(tensors, Tensor) and known_values.deterministic(func)
-    if func in _SHARES_MEMORY:  # `a.set_(b)`: a becomes b's memory, which its schema does not say
+    known = info.deterministic and known_values.all_known(tensors, Tensor)
+    if info.shares_memory:  # `a.set_(b)`: a becomes b's memory, which its schema does not say
         known = False
         for x in tensors:
             if isinstance(x, Tensor):
@@ -317,22 +319,46 @@ def run(mesh, func, args: tuple, kwargs: dict) -> Any:
     if default_dtype is not torch.float32 and isinstance(spec, _Meta) and _takes_dtype(func):
         if wire_kwargs.get("dtype") is None:  # torch.set_default_dtype() changed only the controller
             wire_kwargs = dict(wire_kwargs, dtype=spec[2])
-    out = _build(spec, engine, mesh, stream)
-    aliases = _note_aliases(func, args, kwargs, out)
-    if func in _SHARES_MEMORY and len(args) > 1 and isinstance(args[0], Tensor) and isinstance(args[1], Tensor):
+    out = Tensor(spec, engine.new_id(), mesh, stream) if type(spec) is _Meta else _build(spec, engine, mesh, stream)
+    aliases = _note_aliases(func, args, kwargs, out) if info.aliases else {}
+    if info.shares_memory and len(args) > 1 and isinstance(args[0], Tensor) and isinstance(args[1], Tensor):
         args[0]._root = args[1]._root if args[1]._root is not None else args[1]
     if computed:
         known_values.attach(out, values, Tensor, aliases, mutated)
-    name = _names.get(func)
-    if name is None:
-        name = _names[func] = func.name()
-    engine.push(mesh._shape.ranks, P.Op(name, wire_args, wire_kwargs, _ids_like(out), where()), stream)
+    ids = out._ref if type(out) is Tensor else _ids_like(out)
+    engine.push(mesh._shape.ranks, P.Op(info.name, wire_args, wire_kwargs, ids, where()), stream)
     return out
 
 
 _SHARES_MEMORY = {torch.ops.aten.set_.source_Tensor, torch.ops.aten.set_.source_Tensor_storage_offset}
-_names: dict[Any, str] = {}
-"""op -> its name as the workers look it up (`aten::add.Tensor`)."""
+_NO_KWARGS: dict = {}
+"""(an op's keyword arguments on the wire when it has none: never written to)"""
+
+
+class _OpInfo:
+    """What `run` asks of an op at every use, worked out at its first (`_op_info`)."""
+
+    __slots__ = ("aliases", "deterministic", "name", "shares_memory", "writes")
+
+    def __init__(self, func: Any) -> None:
+        self.name: str = func.name()
+        """As the workers look it up (``aten::add.Tensor``)."""
+        schema = getattr(func, "_schema", None)
+        self.writes = schema is not None and (schema.is_mutable or may_write_unannotated(func))
+        """Whether it may write an argument (most write none, and `_mutated_args` is not asked)."""
+        self.deterministic = known_values.deterministic(func)
+        self.shares_memory = func in _SHARES_MEMORY
+        self.aliases = bool(alias_plan(func))
+        """Whether a result may share an argument's memory (views, in-place results)."""
+
+
+_OP_INFO: dict[Any, _OpInfo] = {}
+"""(Also part of the metadata cache's keys, standing for its op: hashed by identity, unlike an op object.)"""
+
+
+def _op_info(func: Any) -> _OpInfo:
+    info = _OP_INFO[func] = _OpInfo(func)
+    return info
 
 
 @functools.cache
@@ -417,12 +443,8 @@ def _build(spec: Any, engine: Engine, mesh, stream: Stream) -> Any:
 
 def _mutated_args(func, args: tuple, kwargs: dict) -> set[int]:
     """ids of the arguments `func` writes to (in-place ops, out= forms, foreach lists)."""
-    writes = _writes.get(func)
-    if writes is None:
-        schema = getattr(func, "_schema", None)
-        writes = _writes[func] = schema is not None and (schema.is_mutable or may_write_unannotated(func))
-    if not writes:
-        return _NONE
+    if getattr(func, "_schema", None) is None:
+        return set()
     out: set[int] = set()
     for v in written_args(func, args, kwargs):
         if isinstance(v, list | tuple):
@@ -432,9 +454,8 @@ def _mutated_args(func, args: tuple, kwargs: dict) -> set[int]:
     return out
 
 
-_writes: dict[Any, bool] = {}
-"""op -> whether it may write an argument (most ops write none: their set is `_NONE`, not looked for)."""
 _NONE: set[int] = set()
+"""(the arguments an op that writes none writes: never added to)"""
 
 
 def _note_aliases(func, args: tuple, kwargs: dict, out: Any) -> dict[int, Any]:

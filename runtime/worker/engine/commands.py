@@ -24,11 +24,15 @@ _ops: dict[str, Any] = {}
 
 def run(batch: list) -> None:
     """Execute a batch of commands, in order (per stream)."""
+    handlers = _HANDLERS
     for cmd in batch:
-        if type(cmd) is P.OnStream:
+        kind = type(cmd)
+        if kind is P.OnStream:
             streams.on(cmd.stream_id, lambda c=cmd.cmd: _execute(c))
+        elif around is None:
+            handlers[kind](cmd)
         else:
-            _execute(cmd)
+            around(cmd, handlers[kind])
 
 
 around: Any = None
@@ -92,12 +96,16 @@ def _run_op(cmd: P.Op) -> None:
         _fail(cmd, poisons[0])
         return
     try:
-        value = _op(cmd.name)(*a, **k)
+        value = (_ops.get(cmd.name) or _op(cmd.name))(*a, **k)
     except Exception as e:
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None))
         _fail(cmd, Poison.of(e, cmd.where, tb))
         return
-    store(cmd.out, value)
+    out = cmd.out
+    if type(out) is int:
+        table[out] = value
+    else:
+        store(out, value)
 
 
 def _foreach_where_fine(cmd: P.Op, a: tuple, k: dict) -> bool:

@@ -65,18 +65,38 @@ def on_device(dev_type: str) -> torch.device:
 
 def resolve(obj: Any, poisons: list) -> Any:
     """`obj` with `Ref`s replaced by the tensors they name; poisons met are appended to `poisons`."""
-    if isinstance(obj, Ref):
+    kind = type(obj)
+    if kind is tuple:  # an op's arguments: mostly tensors and numbers
+        out = []
+        for o in obj:
+            t = type(o)
+            if t is Ref:
+                v = table.get(o.id)
+                if v is None or type(v) is Poison:
+                    v = _missing(o, v, poisons)
+                out.append(v)
+            else:
+                out.append(o if t in _LEAVES else resolve(o, poisons))
+        return tuple(out)
+    if kind is dict and not obj:
+        return {}
+    if kind is Ref:
         v = table.get(obj.id)
-        if isinstance(v, Poison):
-            poisons.append(v)
-        elif v is None:
-            poisons.append(Poison("KeyError", f"tensor {obj.id} was freed or never made here", "", "?"))
-        return v
+        return v if v is not None and type(v) is not Poison else _missing(obj, v, poisons)
     if isinstance(obj, list | tuple):
         return type(obj)(resolve(o, poisons) for o in obj)
     if isinstance(obj, dict):
         return {k: (device(v) if k == "device" else resolve(v, poisons)) for k, v in obj.items()}
     return obj
+
+
+_LEAVES = {int, float, bool, str, type(None)}
+
+
+def _missing(ref: Ref, v: Any, poisons: list) -> Any:
+    """A `Ref` whose value is a poison (`v`) or gone (None): noted in `poisons`."""
+    poisons.append(v if v is not None else Poison("KeyError", f"tensor {ref.id} was freed or never made here", "", "?"))
+    return v
 
 
 def store(ids: Any, value: Any) -> None:
