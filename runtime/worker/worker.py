@@ -183,7 +183,7 @@ class Worker:
         self.output.flush()  # what it printed belongs to no call: send it before the next one starts
 
     def _run_ops(self, env: codec.Envelope) -> None:
-        engine.run(protocol.unpack_commands(codec.loads(env.body, env.buffers)))
+        engine.run_packed(codec.loads(env.body, env.buffers))
         self.output.flush()
 
     def _reform_groups(self, env: codec.Envelope) -> None:

@@ -35,6 +35,27 @@ def run(batch: list) -> None:
             around(cmd, handlers[kind])
 
 
+def run_packed(items: list) -> None:
+    """`run` for a batch as it travels (`protocol.pack_commands`): its ops, most of it, straight from their
+    tuples, without making an `Op` of each first."""
+    if around is not None:
+        run(P.unpack_commands(items))
+        return
+    handlers = _HANDLERS
+    for t in items:
+        if type(t) is tuple and len(t) == 6 and t[0] == _OP_TAG and type(t[0]) is int:
+            run_op(t[1], t[2], t[3], t[4], t[5])
+            continue
+        cmd = P.unpack(t)
+        if type(cmd) is P.OnStream:
+            cmd.cmd = P.unpack(cmd.cmd)
+            streams.on(cmd.stream_id, lambda c=cmd.cmd: _execute(c))
+        else:
+            handlers[type(cmd)](cmd)
+
+
+_OP_TAG = P.Op._tag
+
 around: Any = None
 """When set, `around(cmd, handler)` runs each command instead of `handler(cmd)` (memory recording runs each in a
 range named for the controller's line that issued it)."""
@@ -87,21 +108,26 @@ def _fail_results(cmd: P.FailResults) -> None:
 
 
 def _run_op(cmd: P.Op) -> None:
+    run_op(cmd.name, cmd.args, cmd.kwargs, cmd.out, cmd.where)
+
+
+def run_op(name: str, args: tuple, kwargs: dict, out: Any, where: str) -> None:
+    """Run one `Op` (given by its fields: most of a batch runs from the tuples it travels as)."""
     poisons: list[Poison] = []
-    a = resolve(cmd.args, poisons)
-    k = resolve(cmd.kwargs, poisons)
+    a = resolve(args, poisons)
+    k = resolve(kwargs, poisons)
     if poisons:
-        if cmd.name.startswith("aten::_foreach_") and _foreach_where_fine(cmd, a, k):
+        cmd = P.Op(name, args, kwargs, out, where)
+        if name.startswith("aten::_foreach_") and _foreach_where_fine(cmd, a, k):
             return
         _fail(cmd, poisons[0])
         return
     try:
-        value = (_ops.get(cmd.name) or _op(cmd.name))(*a, **k)
+        value = (_ops.get(name) or _op(name))(*a, **k)
     except Exception as e:
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None))
-        _fail(cmd, Poison.of(e, cmd.where, tb))
+        _fail(P.Op(name, args, kwargs, out, where), Poison.of(e, where, tb))
         return
-    out = cmd.out
     if type(out) is int:
         table[out] = value
     else:
