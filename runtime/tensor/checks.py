@@ -41,24 +41,25 @@ def where() -> str:
     named as IPython names it, `Cell In[5], line 2`). On a thread that issues ops for a user's line (the
     backward pass of grad_generator), that line."""
     f = sys._getframe(2)
-    while f is not None:  # (every op asks: what is known of a code object is kept)
+    while f is not None:  # (every op asks: what is known of a file is kept, by its name, whose hash is kept)
         code = f.f_code
-        theirs = _THEIRS.get(code)
+        filename = code.co_filename
+        theirs = _THEIRS.get(filename)
         if theirs is None:
             if len(_THEIRS) > _KEEP:
                 _THEIRS.clear()
-            theirs = _THEIRS[code] = code.co_filename.startswith(_NOT_USERS) or "contextlib" in code.co_filename
+            theirs = _THEIRS[filename] = filename.startswith(_NOT_USERS) or "contextlib" in filename
         if not theirs:
             break
         f = f.f_back
     if f is None:
         return getattr(issuer, "where", "?")
-    line = (code, f.f_lineno)
+    func, lineno = code.co_name, f.f_lineno
+    line = (filename, lineno, func)
     text = _LINES.get(line)
     if text is None:
-        filename, func = code.co_filename, code.co_name
-        cell = cell_frame(filename, f.f_lineno, func) if "ipykernel_" in filename else None
-        text = cell or f"{filename}:{f.f_lineno} in {func}"
+        cell = cell_frame(filename, lineno, func) if "ipykernel_" in filename else None
+        text = cell or f"{filename}:{lineno} in {func}"
         if len(_LINES) > _KEEP:
             _LINES.clear()
         _LINES[line] = text
@@ -66,10 +67,10 @@ def where() -> str:
 
 
 _NOT_USERS = (_RUNTIME, _TORCH, threading.__file__)
-_THEIRS: dict[Any, bool] = {}
-"""Code object -> whether it is torch's or ours (skipped by `where`)."""
-_LINES: dict[tuple[Any, int], str] = {}
-"""(code object, line) -> how `where` names it."""
+_THEIRS: dict[str, bool] = {}
+"""File name -> whether it is torch's or ours (skipped by `where`)."""
+_LINES: dict[tuple[str, int, str], str] = {}
+"""(file, line, function) -> how `where` names it."""
 _KEEP = 4096
 issuer = threading.local()
 """`.where`: set on threads whose ops are issued on behalf of one user line."""

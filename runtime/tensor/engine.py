@@ -58,9 +58,11 @@ class Engine:
         if sid:
             cmd = P.OnStream(sid, cmd)
         with self.lock:
-            if ranks not in self.batches and self.batches:
-                self.flush()  # another set of workers: keep one global order of commands
-            batch = self.batches.setdefault(ranks, [])
+            batch = self.batches.get(ranks)
+            if batch is None:
+                if self.batches:
+                    self.flush()  # another set of workers: keep one global order of commands
+                batch = self.batches[ranks] = []
             batch.append(cmd)
             if len(batch) >= BATCH:
                 self._send(ranks)

@@ -34,6 +34,8 @@ from monarch.runtime.tensor.streams import MAIN, Borrow, Stream, get_active_stre
 from monarch.runtime.wire import protocol as P
 from monarch.runtime.wire.protocol import Ref
 
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
 
 class Tensor(torch.Tensor):
     """A tensor that lives on every worker of a mesh; the controller holds only its metadata.
@@ -44,21 +46,27 @@ class Tensor(torch.Tensor):
     _ref: int
     _mesh: Any
     _meta: tuple
-    _fake: torch.Tensor | None
+    # (the rest start as these class-wide values: most handles never change them, and each attribute set
+    # on a new handle costs time on every op)
+    _fake: torch.Tensor | None = None
+    _borrow: Any = None
+    """For a borrowed view: the Borrow that made it."""
+    _lent: list | tuple = ()
+    """Borrows of this tensor (and its views) not yet dropped (a list once it has one)."""
+    _root: Any = None
+    """For a view (or an in-place op's result): the handle that owns the memory."""
+    _value: Any = None
+    """The value, where the controller knows it (see `tensor/known.py`)."""
 
     @staticmethod
     def __new__(cls, meta: Any, ref: int, mesh: Any, stream: Stream | None = None):
         if isinstance(meta, torch.Tensor):  # a fake tensor
             meta = _Meta((tuple(meta.shape), meta.stride(), meta.dtype, meta.device))
         shape, stride, dtype, device = meta
-        r = torch.Tensor._make_wrapper_subclass(cls, shape, strides=stride, dtype=dtype, device=device)
-        r._meta, r._fake, r._ref, r._mesh = meta, None, ref, mesh
+        r = _make_wrapper(cls, shape, stride, None, None, dtype, torch.strided, device)
+        r._meta, r._ref, r._mesh = meta, ref, mesh
         r._stream = stream if stream is not None else get_active_stream()
-        r._borrow = None  # for a borrowed view: the Borrow that made it
-        r._lent = []  # Borrows of this tensor (and its views) not yet dropped
-        r._root = None  # for a view (or an in-place op's result): the handle that owns the memory
-        r._value = None  # the value, where the controller knows it (see tensor_known)
-        r._engine_ref = engine_for(mesh.spawned).weak
+        r._engine_ref = (mesh.spawned.engine or engine_for(mesh.spawned)).weak
         return r
 
     @property
@@ -192,14 +200,17 @@ _learning = _Learning()
 def _plain_capture(self: Tensor, other: Any, kind: type) -> Any:
     """The mesh whose capture mode is the only dispatch mode, if nothing else would take part in dispatching
     an operator on these operands (no autograd, autocast, other function or dispatch modes); else None."""
-    if torch._C._len_torch_dispatch_stack() != 1 or _any_requires_grad(self, other):
+    if _dispatch_modes() != 1 or _any_requires_grad(self, other) or _autocast():
         return None
-    if torch._C._is_any_autocast_enabled():
+    functions = _function_modes()
+    if functions and (functions > 1 or type(_function_mode_at(0)) is not CudaMeansCpu):
         return None
-    functions = torch._C._len_torch_function_stack()
-    if functions and (functions > 1 or type(torch._C._get_function_stack_at(0)) is not CudaMeansCpu):
-        return None
-    return getattr(torch._C._get_dispatch_stack_at(0), "monarch_mesh", None)
+    return getattr(_dispatch_mode_at(0), "monarch_mesh", None)
+
+
+_dispatch_modes, _dispatch_mode_at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
+_function_modes, _function_mode_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
+_autocast = torch._C._is_any_autocast_enabled
 
 
 _any_requires_grad: Callable[..., bool] = getattr(
@@ -493,6 +504,8 @@ def borrow(to: Stream, t: Tensor, mutable: bool) -> tuple[Tensor, Borrow]:
     alias = Tensor(t._meta, engine.new_id(), mesh, stream=to)
     alias._borrow = b
     b.alias_ref = alias._ref
+    if not root._lent:
+        root._lent = []
     root._lent.append(b)
     owner_ref = weakref.ref(root)  # not the tensor itself: the borrow must not keep it alive
     engine.push(mesh._shape.ranks, P.BorrowStart(b.id, t._stream.id, to.id, t._ref, alias._ref), stream=MAIN)
