@@ -78,6 +78,16 @@ def _op(name: str):
     return fn
 
 
+def _call(name: str):
+    """What calling op `name` calls (`OpOverload.__call__` is one more Python call per op)."""
+    op = _op(name)
+    fn = _calls[name] = getattr(op, "_op", op)
+    return fn
+
+
+_calls: dict[str, Any] = {}
+
+
 def _borrow_start(cmd: P.BorrowStart) -> None:
     made = streams.Mark()
     streams.on(cmd.from_stream, made.record)  # the borrower waits for what the origin stream queued before
@@ -115,7 +125,7 @@ def run_op(name: str, args: tuple, kwargs: dict, out: Any, where: str) -> None:
     """Run one `Op` (given by its fields: most of a batch runs from the tuples it travels as)."""
     poisons: list[Poison] = []
     a = resolve(args, poisons)
-    k = resolve(kwargs, poisons)
+    k = resolve(kwargs, poisons) if kwargs else kwargs
     if poisons:
         cmd = P.Op(name, args, kwargs, out, where)
         if name.startswith("aten::_foreach_") and _foreach_where_fine(cmd, a, k):
@@ -123,7 +133,7 @@ def run_op(name: str, args: tuple, kwargs: dict, out: Any, where: str) -> None:
         _fail(cmd, poisons[0])
         return
     try:
-        value = (_ops.get(name) or _op(name))(*a, **k)
+        value = (_calls.get(name) or _call(name))(*a, **k)
     except Exception as e:
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None))
         _fail(P.Op(name, args, kwargs, out, where), Poison.of(e, where, tb))
