@@ -538,7 +538,8 @@ def test_ops_of_the_backward_pass_of_grad_generator_name_the_line_that_asked_for
         engine.flush()
     from monarch.runtime.wire import protocol
 
-    wheres = {cmd.where for cmd in sent if type(cmd) is protocol.Op}
+    cmds = [protocol.unpack(cmd) if type(cmd) is tuple else cmd for cmd in sent]  # (ops are queued packed)
+    wheres = {cmd.where for cmd in cmds if type(cmd) is protocol.Op}
     assert wheres == {
         f"{__file__}:{line} in {test_ops_of_the_backward_pass_of_grad_generator_name_the_line_that_asked_for_it.__name__} (the backward pass of grad_generator)"
     }

@@ -113,6 +113,8 @@ def _sendable(cmd: Any) -> Any:
         codec.dumps(P.pack_commands([cmd]))
         return cmd
     except Exception as e:
+        if type(cmd) is tuple:  # an op, packed
+            cmd = P.unpack(cmd)
         if type(cmd) is P.OnStream:
             return P.OnStream(cmd.stream_id, _sendable(cmd.cmd))
         if type(cmd) is not P.Op:

@@ -280,7 +280,7 @@ def run(mesh, func, args: tuple, kwargs: dict) -> Any:
     info = _OP_INFO.get(func) or _op_info(func)
     mutated = _mutated_args(func, args, kwargs) if info.writes else _NONE
     tensors: list[torch.Tensor] = []
-    default_dtype = torch.get_default_dtype()
+    default_dtype = _default_dtype()
     key_parts: list = [info, default_dtype]  # factories' results follow it
     wire_args = _walk(args, tensors, key_parts)
     wire_kwargs = _walk(kwargs, tensors, key_parts) if kwargs else _NO_KWARGS
@@ -327,7 +327,7 @@ def run(mesh, func, args: tuple, kwargs: dict) -> Any:
         for x in tensors:
             if id(x) in mutated and isinstance(x, Tensor):
                 known_values.forget(x)
-    if default_dtype is not torch.float32 and isinstance(spec, _Meta) and _takes_dtype(func):
+    if default_dtype is not _FLOAT32 and isinstance(spec, _Meta) and _takes_dtype(func):
         if wire_kwargs.get("dtype") is None:  # torch.set_default_dtype() changed only the controller
             wire_kwargs = dict(wire_kwargs, dtype=spec[2])
     out = Tensor(spec, engine.new_id(), mesh, stream) if type(spec) is _Meta else _build(spec, engine, mesh, stream)
@@ -337,10 +337,11 @@ def run(mesh, func, args: tuple, kwargs: dict) -> Any:
     if computed:
         known_values.attach(out, values, Tensor, aliases, mutated)
     ids = out._ref if type(out) is Tensor else _ids_like(out)
-    engine.push(mesh._shape.ranks, P.Op(info.name, wire_args, wire_kwargs, ids, where()), stream)
+    engine.push(mesh._shape.ranks, P.op_tuple(info.name, wire_args, wire_kwargs, ids, where()), stream)
     return out
 
 
+_default_dtype, _FLOAT32 = torch.get_default_dtype, torch.float32
 _SHARES_MEMORY = {torch.ops.aten.set_.source_Tensor, torch.ops.aten.set_.source_Tensor_storage_offset}
 _NO_KWARGS: dict = {}
 """(an op's keyword arguments on the wire when it has none: never written to)"""
@@ -388,9 +389,21 @@ def _walk(obj: Any, tensors: list, key: list) -> Any:
     if kind in _ATOMS:
         key.append(obj)
         return obj
-    if kind is tuple:
+    if kind is tuple:  # an op's arguments: mostly handles and numbers
         key.append((tuple, len(obj)))
-        return tuple([_walk(o, tensors, key) for o in obj])
+        out = []
+        for o in obj:
+            k = type(o)
+            if k is Tensor:
+                tensors.append(o)
+                key.append(o._meta)
+                out.append(Ref(o._ref))
+            elif k in _ATOMS:
+                key.append(o)
+                out.append(o)
+            else:
+                out.append(_walk(o, tensors, key))
+        return tuple(out)
     if isinstance(obj, Tensor):
         tensors.append(obj)
         key.append(obj._meta)

@@ -71,6 +71,7 @@ from monarch.runtime.wire.protocol.tensor import (
     Ref,
     Seed,
     SendTo,
+    op_tuple,
     pack_commands,
     unpack_commands,
 )
@@ -146,6 +147,7 @@ __all__ = [
     "WorkersStopped",
     "message",
     "pack",
+    "op_tuple",
     "pack_commands",
     "types",
     "unpack",

@@ -171,14 +171,23 @@ class ProfileMark:
 
 
 def pack_commands(cmds: list[Any]) -> list[tuple[Any, ...]]:
-    """A batch of tensor commands for the wire (`OnStream` holds a command: packed too)."""
+    """A batch of tensor commands for the wire (`OnStream` holds a command: packed too). A command may come
+    packed already (`op_tuple`: the controller makes each op that way)."""
     out: list[tuple[Any, ...]] = []
     for c in cmds:
-        if type(c) is OnStream:
-            out.append((c._tag, c.stream_id, pack(c.cmd)))
+        kind = type(c)
+        if kind is tuple:
+            out.append(c)
+        elif kind is OnStream:
+            out.append((c._tag, c.stream_id, c.cmd if type(c.cmd) is tuple else pack(c.cmd)))
         else:
             out.append((c._tag, *c._values(c)))
     return out
+
+
+def op_tuple(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, where: str) -> tuple[Any, ...]:
+    """`pack(Op(name, args, kwargs, out, where))`, made directly: the controller makes one per op."""
+    return (_OP_TAG, name, args, kwargs, out, where)
 
 
 def unpack_commands(items: list[Any]) -> list[Any]:
@@ -189,3 +198,6 @@ def unpack_commands(items: list[Any]) -> list[Any]:
             c.cmd = unpack(c.cmd)
         out.append(c)
     return out
+
+
+_OP_TAG: int = Op._tag  # type: ignore[attr-defined]  # (set by `message`)
