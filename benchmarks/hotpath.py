@@ -1,8 +1,8 @@
-"""Where a no-op call's time goes (issue 29, item 2): what each step of a message costs, and the CPU per call.
+"""Where a no-op call's time goes (issue 29, item 2): what each step of a message costs, the CPU per call and per op.
 
     python benchmarks/hotpath.py        # about 10 s on 2 cores
 
-Three parts, each in a fresh process (`run.measure`):
+Four parts, each in a fresh process (`run.measure`):
 
 - the steps, each measured alone in one process with our own code (`monarch.runtime.wire.codec`, `protocol`,
   `controller.fnblob`), as `RemoteFunction.start`, the controller's receiver and a worker's `_call` run them for
@@ -20,7 +20,9 @@ Three parts, each in a fresh process (`run.measure`):
   threads, other) from /proc/<pid>/task; run twice, with
   the default reply spin and with `MONARCH_SPIN_US=0` (the caller sleeps on the socket at once);
 - the same CPU figures for the floor's processes (benchmarks/floor.py `rtt`, CALLS round trips to N forks over
-  the same socket kinds, children that only answer).
+  the same socket kinds, children that only answer);
+- the CPU per tensor-engine op (`x = x + 1` on 4 floats, OPS of them after 500, until the value is back):
+  the controller's main thread (`time.thread_time()`) and each worker (/proc), and the wall time per op.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from run import N, header, measure  # benchmarks/run.py, next to this file
 
 BATCHES, BATCH = 300, 100
 CALLS = 3000
+OPS = 20000
 
 STEPS = textwrap.dedent(
     """
@@ -189,6 +192,45 @@ MESH = floor.CPU_OF + textwrap.dedent(
     """
 )
 
+OPS_LOOP = floor.CPU_OF + textwrap.dedent(
+    """
+    import json, os, time
+    import torch
+    import monarch
+    from monarch.actor import this_host
+
+
+    @monarch.remote
+    def pid():
+        return os.getpid()
+
+
+    mesh = this_host().spawn_procs({"gpu": N})
+    pids = pid.on(mesh)().values()
+
+
+    def loop(n):
+        with mesh.activate():
+            x = torch.zeros(4)
+            for _ in range(n):
+                x = x + 1
+        monarch.inspect(x)
+
+
+    loop(500)
+    before = [cpu_of(p) for p in pids]
+    cpu, t0 = time.thread_time(), time.perf_counter()
+    loop(OPS)
+    out = {
+        "wall": (time.perf_counter() - t0) / OPS,
+        "controller": (time.thread_time() - cpu) / OPS,
+        "workers": [(cpu_of(p) - b) / OPS for p, b in zip(pids, before)],
+    }
+    mesh.exit()
+    print(json.dumps(out), flush=True)
+    """
+)
+
 CONTROLLER_STEPS = (
     ("blob", "fnblob.function_blob of the no-op function (fingerprint checked, kept pickle)", 1),
     ("arguments", "codec.dumps(((), {})), the arguments", 1),
@@ -207,8 +249,9 @@ WORKER_STEPS = (
 
 
 def run_all() -> dict:
-    prelude = f"BATCHES = {BATCHES}\nBATCH = {BATCH}\nCALLS = {CALLS}\n"
+    prelude = f"BATCHES = {BATCHES}\nBATCH = {BATCH}\nCALLS = {CALLS}\nOPS = {OPS}\n"
     return {
+        "ops": measure(sys.executable, prelude + OPS_LOOP),
         "steps": measure(sys.executable, prelude + STEPS),
         "mesh": measure(sys.executable, prelude + MESH),
         "mesh_nospin": measure(sys.executable, prelude + MESH, dict(os.environ, MONARCH_SPIN_US="0")),
@@ -274,6 +317,16 @@ def report(r: dict) -> None:
         print(f"(the floor's round trip in the same run, median of 500: {f['rtt'] * 1e6:.0f} µs)")
     else:
         print("| floor | failed (above) | | |")
+    o = r["ops"]
+    print()
+    if o:
+        print(
+            f"CPU per tensor-engine op on a real mesh of {N} (`x = x + 1` x {OPS} after 500, issued and run: "
+            f"{_us(o['wall'] * 1e6)} µs per op, {1 / o['wall']:,.0f} per second): the controller's main thread "
+            f"{_us(o['controller'] * 1e6)} µs; each worker {_spread(o['workers'])} µs (utime + stime, 10 ms ticks)"
+        )
+    else:
+        print("CPU per tensor-engine op: failed (above)")
 
 
 def _spread(cpu: list[float]) -> str:
