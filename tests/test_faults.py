@@ -6,6 +6,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 
 import pytest
@@ -275,6 +276,18 @@ def test_ctrl_c_is_held_until_a_multi_frame_message_is_out():
             done.append("last frame sent again")
     assert done[-1] == "last frame sent again"
     assert signal.getsignal(signal.SIGINT) is before
+    # it is used only where Ctrl-C would run Python code: a handler that is a function, on the main thread
+    assert _Swap.needed()
+    off_main: list = []
+    thread = threading.Thread(target=lambda: off_main.append(_Swap.needed()))
+    thread.start()
+    thread.join()
+    assert off_main == [False]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a background job's: nothing can interrupt a send)
+    try:
+        assert not _Swap.needed()
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_ctrl_c_while_a_reply_is_being_handled_does_not_lose_it():

@@ -31,7 +31,7 @@ import zmq
 from monarch.runtime.common.config import Settings
 from monarch.runtime.common.log import RateLimitedLog
 from monarch.runtime.wire import codec, lanes, protocol
-from monarch.runtime.wire.hold import HOLD, MAIN, _Swap
+from monarch.runtime.wire.hold import HOLD, _Swap
 from monarch.runtime.wire.keys import HELLO, TOPIC, UPSTREAM, AgentCurve, ServerCurve, WorkerKeys
 from monarch.runtime.wire.lanes import Lane, LaneServer
 from monarch.runtime.wire.links import heartbeat
@@ -276,7 +276,7 @@ class ControllerTransport:
             frames = codec.encode(mesh.key, mesh_id, codec.CONTROLLER, mesh.seq, protocol.pack(message), body)
             held = HOLD.enter()
             try:
-                if not held and threading.get_ident() == MAIN:
+                if not held and _Swap.needed():
                     with _Swap():
                         self._send_all(mesh_id, mesh, ranks, frames)
                 else:

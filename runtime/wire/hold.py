@@ -61,13 +61,27 @@ HOLD = InterruptHold()
 
 
 class _Swap:
-    """Hold Ctrl-C with a handler of our own for a moment, whatever handler is set (5 µs: the slow way)."""
+    """Hold Ctrl-C with a handler of our own for a moment, whatever Python handler is set (a kernel's: the
+    slow way, two handler swaps; through `_signal`, as `signal.signal` converts each handler to an enum and
+    back, ~5 µs). `needed()` says whether there is one to hold back."""
 
     def __enter__(self) -> None:
         self.held: list[FrameType | None] = []
-        self.old = signal.signal(signal.SIGINT, lambda signum, frame: self.held.append(frame))
+        self.old = _setsignal(_SIGINT, self._hold)
+
+    def _hold(self, signum: int, frame: FrameType | None) -> None:
+        self.held.append(frame)
 
     def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGINT, self.old)
+        _setsignal(_SIGINT, self.old)
         if self.held and callable(self.old):
-            self.old(signal.SIGINT, self.held[0])
+            self.old(_SIGINT, self.held[0])
+
+    @staticmethod
+    def needed() -> bool:
+        """Whether Ctrl-C would run Python code here: on the main thread, under a handler that is a function
+        (not SIG_IGN, as in a background job, nor SIG_DFL, which ends the process whatever it was doing)."""
+        return threading.get_ident() == MAIN and callable(_getsignal(_SIGINT))
+
+
+_setsignal = _signal.signal
