@@ -131,11 +131,12 @@ def from_env(env: dict[str, str] | os._Environ = os.environ) -> Settings:
             values[field] = _number(var, text, int, 1)
         elif field == "worker_nice":
             try:
-                values[field] = int(text)
+                nice = int(text)
             except ValueError:
-                values[field] = None
-            if values[field] is None or not 0 <= values[field] <= 19:
+                nice = -1
+            if not 0 <= nice <= 19:
                 raise ValueError(f"{var}={text!r}; give an integer from 0 (the controller's priority) to 19")
+            values[field] = nice
         else:
             values[field] = _number(var, text, float, 0 if field != "spawn_timeout" else 1)
     return Settings(**{**defaults.__dict__, **values})

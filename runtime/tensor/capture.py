@@ -21,9 +21,8 @@ class _Capture(TorchDispatchMode):
 
     def __init__(self, mesh) -> None:
         super().__init__()
-        self.mesh = mesh
         self.monarch_mesh = mesh
-        """(how `handles` recognizes this mode as the one on top, for its operators' fast path)"""
+        """(named so that `handles` recognizes this mode as the one on top, for its operators' fast path)"""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -33,7 +32,7 @@ class _Capture(TorchDispatchMode):
         if func.namespace == "profiler":  # record_function markers (e.g. in optimizer.step()): the controller's
             with torch.utils._python_dispatch._disable_current_modes():
                 return func(*args, **(kwargs or {}))
-        return run(self.mesh, func, args, kwargs or {})
+        return run(self.monarch_mesh, func, args, kwargs or {})
 
 
 @contextlib.contextmanager
