@@ -197,6 +197,39 @@ def test_view_of_a_snapshot_without_workers():
     assert 'data-rank="3"' in page and "train.py:7 in step" in page and "--jp-" in page
 
 
+def test_frames_of_monarchs_own_worker_code_are_never_the_users_line():
+    """torch's CUDA history keeps every Python frame, the worker's own (`run_op`) among them: the block's line
+    is then the controller's that issued the command, for a worker whose monarch is installed here or
+    elsewhere (another host)."""
+    import monarch.runtime as runtime
+
+    def snap(worker_code: str) -> dict:
+        frames = [
+            {"filename": "??", "line": 0, "name": "aten::zeros"},
+            {"filename": os.path.join(os.path.dirname(torch.__file__), "_ops.py"), "line": 840, "name": "__call__"},
+            {"filename": worker_code, "line": 136, "name": "run_op"},
+            {"filename": worker_code, "line": 50, "name": "run_packed"},
+        ]
+        return {
+            "segments": [{"device": 0, "address": 4096, "total_size": 1024, "stream": 0, "blocks": [
+                {"address": 4096, "size": 1024, "requested_size": 1000, "state": "active_allocated",
+                 "frames": frames}]}],
+            "device_traces": [[{"action": "alloc", "addr": 4096, "size": 1024, "stream": 0, "frames": frames,
+                                "time_us": 20}]],
+            "external_annotations": [
+                {"device": 0, "stage": "START", "name": "monarch-op@/home/u/nb.py:12 in f", "time_us": 15},
+                {"device": 0, "stage": "END", "name": "monarch-op@/home/u/nb.py:12 in f", "time_us": 25},
+            ],
+        }  # fmt: skip
+
+    here = os.path.join(os.path.dirname(runtime.__file__), "worker", "engine", "commands.py")
+    assert summarize(snap(here), 0, "gpu=0", "/x", "cuda:0").largest[0].where == "nb.py:12 in f"
+    there = "/opt/elsewhere/monarch/runtime/worker/engine/commands.py"
+    r = summarize(snap(there), 0, "gpu=0", "/x", "cuda:0", runtime="/opt/elsewhere/monarch/runtime/")
+    assert r.largest[0].where == "nb.py:12 in f"
+    assert summarize(snap(there), 0, "gpu=0", "/x", "cuda:0").largest[0].where == "commands.py:136 in run_op"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_workers_write_torchs_own_snapshot(tmp_path):

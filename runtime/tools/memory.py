@@ -38,7 +38,8 @@ LARGEST = 8
 MARK = "monarch-op@"
 """The range a tensor command runs in while memory is recorded: the controller's line that issued it follows."""
 _WHERE_PATH = re.compile(r"^[^:]*/(?=[^/]*:\d+ in )")
-_RUNTIME = os.path.dirname(os.path.abspath(__file__))
+_RUNTIME = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+"""monarch's runtime here (frames in it are never the user's; a worker names its own: `summarize(runtime=)`)."""
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 
 html_view: Callable[[MemorySnapshots], str] | None = None
@@ -158,7 +159,7 @@ def dump_memory_snapshot(dir_snapshots: str | os.PathLike = "./snapshots/", *, m
         path = os.path.join(os.path.abspath(directory), FILE.format(rank=rank))
         with open(path, "wb") as f:
             pickle.dump(value["snapshot"], f)
-        ranks.append(summarize(value["snapshot"], rank, labels[rank], path, value["device"]))
+        ranks.append(summarize(value["snapshot"], rank, labels[rank], path, value["device"], value.get("runtime")))
     return MemorySnapshots(os.path.abspath(directory), ranks)
 
 
@@ -201,8 +202,11 @@ def _raise_errors(what: str, replies: dict[int, Any]) -> None:
 
 
 # -- summaries -------------------------------------------------------------------------------------------
-def summarize(snapshot: dict, rank: int, label: str, path: str, device: str) -> RankMemory:
-    """What a notebook shows of one rank's snapshot (torch's CUDA snapshot or the CPU one)."""
+def summarize(snapshot: dict, rank: int, label: str, path: str, device: str, runtime: str | None = None) -> RankMemory:
+    """What a notebook shows of one rank's snapshot (torch's CUDA snapshot or the CPU one); `runtime` is where
+    monarch's runtime lives on the worker that wrote it (its frames are not the user's: on another host it
+    can be installed elsewhere than here)."""
+    own = (_RUNTIME,) if runtime is None else (_RUNTIME, runtime)
     index = int(device.partition(":")[2] or 0) if device.startswith("cuda") else 0
     traces = snapshot.get("device_traces") or [[]]
     trace = traces[index] if index < len(traces) else max(traces, key=len)
@@ -243,7 +247,7 @@ def summarize(snapshot: dict, rank: int, label: str, path: str, device: str) -> 
         largest=[
             Allocation(
                 b.get("requested_size", b.get("size", 0)),
-                user_frame(b.get("frames", []), issued(b.get("address"))),
+                user_frame(b.get("frames", []), issued(b.get("address")), own),
                 b.get("frames", []),
             )
             for b in largest
@@ -290,12 +294,12 @@ def _issued_by(snapshot: dict, trace: list[dict], device: int) -> Callable[[Any]
     return issued
 
 
-def user_frame(frames: list[dict], issued: str | None = None) -> str:
-    """The innermost frame of the user's Python code (not torch's, not monarch's, not C++), in words; else the
-    controller's line that issued the tensor command (`issued`), else the op."""
+def user_frame(frames: list[dict], issued: str | None = None, own: tuple[str, ...] = (_RUNTIME,)) -> str:
+    """The innermost frame of the user's Python code (not torch's, not monarch's: under a path in `own`, not
+    C++), in words; else the controller's line that issued the tensor command (`issued`), else the op."""
     for f in frames:
         filename = str(f.get("filename", ""))
-        if _is_python(filename) and not filename.startswith(_RUNTIME) and not _is_library(filename):
+        if _is_python(filename) and not filename.startswith(own) and not _is_library(filename):
             return frame_text(f)
     if issued is not None:
         return _WHERE_PATH.sub("", issued)  # `/path/train.py:12 in f` -> `train.py:12 in f`

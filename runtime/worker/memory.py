@@ -88,8 +88,9 @@ def record(enabled: str | None, max_entries: int) -> tuple[str, str] | None:
 
 
 def snapshot() -> dict | tuple[str, str]:
-    """This worker's snapshot, after every stream ran what was queued on it: ``{"device", "snapshot"}``
-    (torch's snapshot dict), or ``("error", message)`` for a misuse."""
+    """This worker's snapshot, after every stream ran what was queued on it: ``{"device", "snapshot",
+    "runtime"}`` (torch's snapshot dict; where this worker's monarch runtime lives, whose frames in it are not
+    the user's), or ``("error", message)`` for a misuse."""
     from monarch.runtime.worker.engine.streams import sync_streams
 
     sync_streams()
@@ -160,7 +161,7 @@ def _snapshot() -> dict:
         )
     dev = _device()
     if _state["device"] == "cuda":
-        return {"device": str(dev), "snapshot": torch.cuda.memory._snapshot()}
+        return {"device": str(dev), "snapshot": torch.cuda.memory._snapshot(), "runtime": _RUNTIME}
     assert _cpu is not None
     try:
         snap = _cpu.snapshot()
@@ -176,7 +177,7 @@ def _snapshot() -> dict:
         "rank": w.rank if w is not None else 0,
         "recorded": "torch.profiler (profile_memory, with_stack) on the worker's main thread",
     }
-    return {"device": "cpu", "snapshot": snap}
+    return {"device": "cpu", "snapshot": snap, "runtime": _RUNTIME}
 
 
 def _check_no_profile() -> None:
