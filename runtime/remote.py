@@ -97,7 +97,7 @@ class RemoteFunction:
                 known = spawned.fns[blob] = (len(spawned.fns) + 1, set())
             fid, have = known
             ship = not have.issuperset(shape.ranks)
-            body = _pickle((args, kwargs), "arguments", fn)
+            body = [_NO_ARGUMENTS] if not args and not kwargs else _pickle((args, kwargs), "arguments", fn)
             # The function travels in the message, apart from the arguments: a worker keeps it even when
             # the arguments fail to unpickle there.
             fn_blob, sources = (blob, _sources(fn)) if ship else (None, None)
@@ -162,6 +162,10 @@ def _by_reference(fn) -> codec.FunctionRef | None:
     except (AttributeError, ImportError):
         return None
     return codec.FunctionRef(module, qualname) if found is fn else None
+
+
+_NO_ARGUMENTS = pickle.dumps(((), {}), protocol=5)
+"""A call's arguments when there are none (as `codec.dumps` pickles them: the same bytes, made once)."""
 
 
 def _pickle(obj, what: str, fn) -> Any:

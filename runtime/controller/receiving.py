@@ -26,6 +26,16 @@ from monarch.runtime.wire import codec, protocol
 from monarch.runtime.wire.controller_end import DROPPED, POKE
 from monarch.runtime.wire.hold import HOLD, MAIN
 
+_ENDED = frozenset(("FINISHED", "CANCELLED", "CANCELLED_AND_NOTIFIED"))
+"""A future's states once it ended (`_ended`)."""
+
+
+def _ended(fut: concurrent.futures.Future[Any]) -> bool:
+    """`fut.done()` without taking its lock (asked after each reply: the lock was 5% of a no-op call's Python).
+    Reading the state alone is safe: it only ever moves forward, and `result()` takes the lock after."""
+    return fut._state in _ENDED
+
+
 if TYPE_CHECKING:
     from monarch.runtime.backends.base import Replies
     from monarch.runtime.controller.core import Controller
@@ -91,7 +101,7 @@ class Receiver:
             with self._rx_count_lock:
                 self._rx_waiters += 1
                 counted = True  # no call between these two lines: Ctrl-C cannot fall between them
-            while not fut.done():
+            while not _ended(fut):
                 if stdin.queue and stdin.serve(self):
                     continue
                 left = 0.02 if deadline is None else min(0.02, deadline - time.monotonic())
@@ -158,7 +168,7 @@ class Receiver:
     ) -> bool:
         replies = self.replies
         replies.set_timeout(max(1, int(timeout * 1000)))
-        while not fut.done() and not HOLD.pending:
+        while not _ended(fut) and not HOLD.pending:
             got = None
             if spin:
                 self.polls += 1
