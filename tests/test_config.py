@@ -16,6 +16,8 @@ def test_defaults_and_values_read_from_the_environment():
     assert Settings().prewarm is True and from_env({"MONARCH_PREWARM": "0"}).prewarm is False
     assert Settings().lanes is True and from_env({"MONARCH_LANES": "no"}).lanes is False
     assert Settings().worker_nice == 0 and from_env({"MONARCH_WORKER_NICE": "10"}).worker_nice == 10
+    assert Settings().worker_spin == 0.0005 and from_env({"MONARCH_WORKER_SPIN_US": "50"}).worker_spin == 0.00005
+    assert from_env({"MONARCH_WORKER_SPIN_US": "0"}).worker_spin == 0
 
 
 NICE = "give an integer from 0 (the controller's priority) to 19"
@@ -28,6 +30,8 @@ NICE = "give an integer from 0 (the controller's priority) to 19"
         ("MONARCH_SPAWN_TIMEOUT", "soon", "MONARCH_SPAWN_TIMEOUT='soon' is not a number; give a number >= 1"),
         ("MONARCH_SEND_HWM", "0", "MONARCH_SEND_HWM='0' is too small; give an integer >= 1"),
         ("MONARCH_FROZEN_AFTER", "-1", "MONARCH_FROZEN_AFTER='-1' is too small; give a number >= 0"),
+        ("MONARCH_WORKER_SPIN_US", "-5", "MONARCH_WORKER_SPIN_US='-5' is too small; give a number >= 0"),
+        ("MONARCH_WORKER_SPIN_US", "long", "MONARCH_WORKER_SPIN_US='long' is not a number; give a number >= 0"),
         ("MONARCH_PREWARM", "maybe", "MONARCH_PREWARM='maybe'; use 1 (start the fork server with the kernel) or 0"),
         ("MONARCH_WORKER_NICE", "20", f"MONARCH_WORKER_NICE='20'; {NICE}"),
         ("MONARCH_WORKER_NICE", "-5", f"MONARCH_WORKER_NICE='-5'; {NICE}"),

@@ -63,6 +63,40 @@ def test_a_reader_cuts_whole_messages_however_the_bytes_arrive(chunk):
     assert got == [[bytes(p) for p in m] for m in MESSAGES]
 
 
+def test_a_reader_gives_back_a_large_messages_memory_and_goes_on_reading():
+    """After a message over 16 chunks the reader's buffer shrinks again (its kept view made anew)."""
+    messages = [[b"a"], [os.urandom(3 * lanes.CHUNK * 16)], [b"b" * 10, b"c"], [os.urandom(lanes.CHUNK + 1)]]
+    a, b = socket.socketpair()
+    large_taken = threading.Event()
+
+    def write():
+        a.sendall(_wire(messages[:2]))
+        large_taken.wait(30)  # (the rest after it: nothing else in the buffer when the large one is cut off)
+        a.sendall(_wire(messages[2:]))
+        a.close()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    got, sizes = [], []
+    reader = lanes.Reader()
+    try:
+        while True:
+            frames = reader.next()
+            if frames is not None:
+                got.append(frames)
+                sizes.append(len(reader.buf))
+                if len(got) == 2:
+                    large_taken.set()
+            elif not reader.fill(b):
+                break
+    finally:
+        large_taken.set()
+        writer.join()
+        b.close()
+    assert got == messages
+    assert sizes[1] == lanes.CHUNK and reader.view.obj is reader.buf  # shrunk right after the large one
+
+
 @pytest.mark.parametrize(
     "head, why",
     [
@@ -120,11 +154,12 @@ def test_ctrl_c_while_a_worker_waits_to_write_leaves_every_message_whole(tmp_pat
     server.close()
 
 
-def test_ctrl_c_while_a_worker_waits_for_a_command_interrupts_the_wait_and_loses_nothing(tmp_path):
+@pytest.mark.parametrize("spin", [0.0, 0.5])
+def test_ctrl_c_while_a_worker_waits_for_a_command_interrupts_the_wait_and_loses_nothing(tmp_path, spin):
     """Waiting for a command (input() at a pdb prompt waits so) is interrupted at once, and what comes next
-    is read whole."""
+    is read whole; also while the worker polls for it (`spin`, here longer than the wait)."""
     server = lanes.LaneServer(str(tmp_path / "lanes"))
-    client = lanes.LaneClient(server.path)
+    client = lanes.LaneClient(server.path, spin)
     client.send([b"hello"])  # (whose lane it is: the controller binds it on its first message)
     _pump_until(server, 1)
     (lane,) = server.lanes.values()
@@ -152,6 +187,43 @@ def test_ctrl_c_while_a_worker_waits_for_a_command_interrupts_the_wait_and_loses
     finally:
         stop.set()
         pumper.join()
+    client.close()
+    server.close()
+
+
+def test_a_worker_that_polls_for_commands_takes_each_whole_then_sleeps(tmp_path):
+    """`spin`: commands that come while the worker polls, and after it gave up and sleeps, arrive whole and
+    in order; it polls only for `spin` seconds per wait (then its thread sleeps in poll()), and not at all
+    after a wait longer than that."""
+    server = lanes.LaneServer(str(tmp_path / "lanes"))
+    client = lanes.LaneClient(server.path, 0.05)
+    client.send([b"hello"])
+    _pump_until(server, 1)
+    (lane,) = server.lanes.values()
+    got: list = []
+    reader = threading.Thread(target=lambda: got.extend(client.recv() for _ in range(3)))
+    reader.start()
+    try:
+        for frames in ([b"one"], [b"two", os.urandom(300_000)]):  # (the second: more than one read)
+            parts = lanes.pack(frames)
+            if lane.send(parts, lanes.size(parts)):
+                while lane.out:
+                    server.pump(0.01)
+        tid = None
+        deadline = time.monotonic() + 10
+        while tid is None and time.monotonic() < deadline:  # the reader's thread, asleep in poll() again
+            tid = next((t.native_id for t in threading.enumerate() if t is reader), None)
+        where = ""
+        while not where.startswith("poll_schedule_timeout") and time.monotonic() < deadline:
+            with open(f"/proc/self/task/{tid}/wchan") as f:  # (where in the kernel it sleeps: spinning, it
+                where = f.read()  # runs or waits for the GIL, never in poll())
+        assert where.startswith("poll_schedule_timeout"), where
+        parts = lanes.pack([b"three"])
+        lane.send(parts, lanes.size(parts))
+    finally:
+        reader.join(10)
+    assert [f[0] for f in got] == [b"one", b"two", b"three"] and len(got[1][1]) == 300_000
+    assert not client._quick  # "three" came after the polling: the next wait sleeps at once
     client.close()
     server.close()
 

@@ -100,6 +100,8 @@ class LocalBackend(Backend):
         self.expect_startup(mesh_id, lambda env: take_startup(mesh, env))
         env = dict(os.environ)
         threads = int(env.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // n))
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        spin = self.settings.worker_spin if n + 1 <= cpus else 0.0  # (a CPU each, the controller's too)
         ok = False
         try:
             for coords, rank in shape.points():
@@ -107,6 +109,7 @@ class LocalBackend(Backend):
                 cfg = protocol.WorkerStart(
                     keys[rank], coords, shape.size_dict, rank, labels[rank], path, wenv, os.getcwd(), list(sys.path),
                     threads, fork_server_pid(), os.getpid(), self.settings.group_timeout, self.settings.worker_nice,
+                    spin,
                 )  # fmt: skip
                 self.procs.fork(mesh_id, rank, cfg)
             exits = lambda: {r: exit_cause(c) for r, c in self.procs.exited(mesh_id).items()}  # noqa: E731

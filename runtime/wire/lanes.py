@@ -30,6 +30,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -164,9 +165,13 @@ class LaneClient:
     Waiting for a command is not such a moment: it is interrupted at once (`input()` at a pdb prompt).
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, spin: float = 0.0) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(path)
+        self.spin = spin
+        """Seconds `recv` polls for a command before it sleeps (0: it sleeps at once), when the last wait was
+        no longer than that (`_quick`): where commands come further apart, polling would only burn a CPU."""
+        self._quick = True
         self.reader = Reader()
         self._next: list[bytes] | None = None
         self.lock = threading.Lock()
@@ -220,9 +225,16 @@ class LaneClient:
         return taken
 
     def _fill(self) -> int:
-        """One read, waiting for bytes if none have come: bytes read, 0 at the end of the stream."""
+        """One read, waiting for bytes if none have come: bytes read, 0 at the end of the stream. With `spin`,
+        after a quick wait, it tries without waiting for that long first."""
+        spin = self.spin
+        began = time.perf_counter() if spin else 0.0
+        until = began + spin if spin and self._quick else 0.0
         while True:
-            self._poller.poll()  # (an interrupt raised here takes nothing from the stream)
+            if not until:
+                self._poller.poll()  # (an interrupt raised here takes nothing from the stream)
+            elif time.perf_counter() > until:
+                until = 0.0
             self._reading = threading.get_ident()
             try:
                 n: int | None = self.reader.fill(self.sock, socket.MSG_DONTWAIT)
@@ -232,6 +244,8 @@ class LaneClient:
                 self._reading = None
             self._raise_deferred()  # (what was read stays in the reader)
             if n is not None:
+                if spin:
+                    self._quick = time.perf_counter() - began <= spin
                 return n
 
     def send(self, frames: Sequence[bytes | memoryview]) -> None:

@@ -26,14 +26,14 @@ class WorkerTransport:
     cmd: Any
     """What a command arrives on, for a poller: the XSUB socket, or the lane's descriptor."""
 
-    def __init__(self, keys: WorkerKeys) -> None:
+    def __init__(self, keys: WorkerKeys, spin: float = 0.0) -> None:
         self.keys = keys
         self.ctx = zmq.Context()  # (the store's connections, and actors', use it with a lane too)
         self._lock = threading.Lock()
         self._seq = 0
         self._seen = 0
         self.log = RateLimitedLog(f"monarch worker {keys.rank}")
-        self.lane = LaneClient(keys.lane_addr) if keys.lane_addr is not None else None
+        self.lane = LaneClient(keys.lane_addr, spin) if keys.lane_addr is not None else None
         if self.lane is not None:
             self.cmd = self.lane.fileno()  # (a poller answers with the descriptor: `cmd in events` holds)
             return

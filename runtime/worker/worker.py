@@ -58,7 +58,7 @@ class Worker:
         self.cfg = cfg
         self.rank: int = cfg.keys.rank
         self.mesh_id: int = cfg.keys.mesh_id
-        self.transport = WorkerTransport(cfg.keys)
+        self.transport = WorkerTransport(cfg.keys, cfg.spin)
         self._send = self.transport.send
         self.call_id: int | None = None
         self.in_user_code = False

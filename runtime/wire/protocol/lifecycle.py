@@ -43,6 +43,9 @@ class WorkerStart:
     nice: int
     """How much lower than the controller's this worker's CPU priority is (0: the same); see
     `config.Settings.worker_nice`."""
+    spin: float = 0.0
+    """Seconds the worker polls its lane for the next command before it sleeps (0: it sleeps at once); see
+    `config.Settings.worker_spin`."""
 
 
 @message(6)
