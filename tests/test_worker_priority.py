@@ -87,3 +87,10 @@ def test_local_workers_poll_for_commands_only_with_a_cpu_each_beside_the_control
     finally:
         ctl.shutdown()
     assert wait_gone(pids) == []
+
+
+def test_how_many_local_workers_may_poll_for_the_cpus_there_are():
+    from monarch.runtime.backends.local import spins
+
+    assert spins(1, 2) and not spins(1, 1)  # one worker: a CPU each
+    assert not spins(8, 16) and spins(8, 17) and not spins(2, 4) and spins(2, 5)  # more: a core each, in pairs

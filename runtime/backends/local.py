@@ -43,6 +43,14 @@ class _Mesh:
     start_error: tuple[int, str] | None = None
 
 
+def spins(workers: int, cpus: int) -> bool:
+    """Whether local workers poll for their next command (`Settings.worker_spin`): one worker beside the
+    controller with a CPU each; more only where each of them and the controller could have a core of its own
+    on CPUs that are hyperthread pairs (2 per core), since a poller on the controller's sibling slows it (16
+    CPUs, 8 workers polling: a no-op call and the op loop each read faster in some runs and slower in others)."""
+    return workers + 1 <= cpus if workers == 1 else 2 * workers + 1 <= cpus
+
+
 class LocalBackend(Backend):
     """Workers on this machine, over IPC sockets in a private directory (or TCP with CURVE)."""
 
@@ -101,7 +109,7 @@ class LocalBackend(Backend):
         env = dict(os.environ)
         threads = int(env.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // n))
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        spin = self.settings.worker_spin if n + 1 <= cpus else 0.0  # (a CPU each, the controller's too)
+        spin = self.settings.worker_spin if spins(n, cpus) else 0.0
         ok = False
         try:
             for coords, rank in shape.points():

@@ -68,9 +68,11 @@ class Settings:
     """[MONARCH_WORKER_SPIN_US, in µs] How long a worker forked on this machine, waiting for its next command,
     polls its lane before it sleeps, when its last wait was no longer than that (commands coming that close
     together). A command then finds it awake: the controller's send wakes no sleeping CPU (on a VM an
-    interrupt to another virtual CPU, paid by the sender). Only when the mesh's workers and the controller
-    have a CPU each (else polling takes CPU from them). 16 cores, a no-op call on 8 workers: 178-184 µs
-    against 209-253 with 0. 0 turns it off."""
+    interrupt to another virtual CPU, paid by the sender). Only where polling takes no CPU from the
+    controller: one worker, beside the controller with a CPU each (2 cores: a no-op call 46-63 µs against
+    83-108); more, where each and the controller could have a core to itself with CPUs in hyperthread pairs
+    (`backends.local.spins`; 16 CPUs and 8 workers polling read faster in some runs, slower in others). 0
+    turns it off."""
     prewarm: bool = True
     """[MONARCH_PREWARM] ``1`` (the default) or ``0``: whether the Monarch kernel starts the workers' fork server
     (the process that imports torch once, workers being forked from it) as the kernel starts, so that its
