@@ -209,10 +209,10 @@ def test_a_worker_that_polls_for_commands_takes_each_whole_then_sleeps(tmp_path)
             if lane.send(parts, lanes.size(parts)):
                 while lane.out:
                     server.pump(0.01)
-        tid = None
         deadline = time.monotonic() + 10
-        while tid is None and time.monotonic() < deadline:  # the reader's thread, asleep in poll() again
-            tid = next((t.native_id for t in threading.enumerate() if t is reader), None)
+        while len(got) < 2 and time.monotonic() < deadline:  # (a wait for the rest of "two" is no wait for "three")
+            time.sleep(0.001)
+        tid = reader.native_id
         where = ""
         while not where.startswith("poll_schedule_timeout") and time.monotonic() < deadline:
             with open(f"/proc/self/task/{tid}/wchan") as f:  # (where in the kernel it sleeps: spinning, it
