@@ -79,8 +79,8 @@ class Reader:
     def __init__(self) -> None:
         self.buf = bytearray(CHUNK)
         self.view = memoryview(self.buf)
-        """Of `buf`, kept (made per read and per message, views were a tenth of a lane's Python); released
-        whenever `buf` changes size."""
+        """Of `buf`, kept (not made again for each read and each message); released whenever `buf` changes
+        size (a bytearray with a view cannot)."""
         self.start = 0
         self.end = 0
         self.want = 0
