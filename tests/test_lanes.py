@@ -201,7 +201,15 @@ def test_a_worker_that_polls_for_commands_takes_each_whole_then_sleeps(tmp_path)
     _pump_until(server, 1)
     (lane,) = server.lanes.values()
     got: list = []
-    reader = threading.Thread(target=lambda: got.extend(client.recv() for _ in range(3)))
+    two = threading.Event()
+
+    def read() -> None:
+        for _ in range(3):
+            got.append(client.recv())
+            if len(got) == 2:
+                two.set()
+
+    reader = threading.Thread(target=read)
     reader.start()
     try:
         for frames in ([b"one"], [b"two", os.urandom(300_000)]):  # (the second: more than one read)
@@ -209,9 +217,8 @@ def test_a_worker_that_polls_for_commands_takes_each_whole_then_sleeps(tmp_path)
             if lane.send(parts, lanes.size(parts)):
                 while lane.out:
                     server.pump(0.01)
+        assert two.wait(10)  # (a wait for the rest of "two" is no wait for "three")
         deadline = time.monotonic() + 10
-        while len(got) < 2 and time.monotonic() < deadline:  # (a wait for the rest of "two" is no wait for "three")
-            time.sleep(0.001)
         tid = reader.native_id
         where = ""
         while not where.startswith("poll_schedule_timeout") and time.monotonic() < deadline:

@@ -23,6 +23,7 @@ from monarch.runtime.common import groups, log
 from monarch.runtime.common.config import Settings
 from monarch.runtime.common.errors import exit_cause
 from monarch.runtime.common.processes import proc_state as _proc_state
+from monarch.runtime.common.processes import usable_cpus
 from monarch.runtime.common.shape import Shape
 from monarch.runtime.procs.workers import WorkerProcs, clean_stale_dirs, fork_server, fork_server_pid, private_dir
 from monarch.runtime.wire import protocol
@@ -108,8 +109,7 @@ class LocalBackend(Backend):
         self.expect_startup(mesh_id, lambda env: take_startup(mesh, env))
         env = dict(os.environ)
         threads = int(env.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // n))
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        spin = self.settings.worker_spin if spins(n, cpus) else 0.0
+        spin = self.settings.worker_spin if spins(n, usable_cpus()) else 0.0
         ok = False
         try:
             for coords, rank in shape.points():

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+
+def usable_cpus() -> int:
+    """The CPUs this thread may run on (its affinity, as taskset or a Slurm job sets it), else all of them."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
 
 def proc_state(pid: int | None) -> str | None:
     """The state letter of process `pid` (R, S, D, T, Z, ...), or None if it is gone."""

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from monarch.runtime.common.errors import group_failures, peer_gone
+from monarch.runtime.common.processes import usable_cpus
 from monarch.runtime.controller.output import OutputEvent
 from monarch.runtime.controller.stdin import InputRequest
 from monarch.runtime.wire import codec, protocol
@@ -60,7 +61,7 @@ class Receiver:
         self.controller = controller
         self.replies: Replies = controller.backend.replies
         self.spin = controller.settings.spin
-        self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.cpus = usable_cpus()
         """CPUs this process may run on: a caller polls only while the workers it waits for leave one free."""
         self._rx_lock = self.replies.recv_lock  # held by the one thread that receives (an RLock: see wait())
         self._rx_count_lock = threading.Lock()
