@@ -320,3 +320,90 @@ def test_a_lane_that_goes_corrupt_ends_its_worker_and_the_mesh_fails_naming_it()
     finally:
         ctl.shutdown()
     assert wait_gone(pids) == []
+
+
+# -- a bound lane's messages, checked in one step each (`codec.one_sender`) ----------------------------------
+def test_a_bound_lane_checks_each_message_as_the_sockets_do(tmp_path):
+    """Once a lane belongs to a worker, its one-frame messages are checked in one call each. Everything the
+    sockets refuse is refused there too, named in the log, and what follows still arrives, in order: a forged
+    signature, a replay, another rank's message, a header that does not unpickle or is no message; large
+    and many-frame messages, and `Goodbye`, take the general path."""
+    from monarch.runtime.wire import codec, protocol
+    from monarch.runtime.wire.controller_end import DROPPED, ControllerTransport
+
+    transport = ControllerTransport(Settings(), str(tmp_path))
+    logged: list[str] = []
+    transport.log = lambda kind, detail: logged.append(f"{kind}: {detail}")  # (the log's sink, read below)
+    keys = transport.add_mesh(7, 2, lanes=True)
+    mesh = transport._meshes[7]
+    clients = [lanes.LaneClient(transport.lanes.path) for _ in range(2)]
+    seq = [0, 0]
+
+    def signed(rank, message, body=None, key=None, number=None):
+        if number is None:
+            seq[rank] += 1
+        return codec.encode(
+            key or keys[rank].key, 7, rank, seq[rank] if number is None else number, protocol.pack(message), body
+        )
+
+    def received(n):
+        got, deadline = [], time.monotonic() + 30
+        while len(got) < n and time.monotonic() < deadline:
+            env = transport.recv(False) or transport.recv(True)
+            if env is not None and env is not DROPPED:
+                got.append(env)
+        return got
+
+    def out(text):
+        return protocol.Output(None, "stdout", text)
+
+    try:
+        transport.set_timeout(100)
+        clients[0].send(signed(0, out("first")))  # binds the lane to rank 0
+        assert [e.message.text for e in received(1)] == ["first"]
+        lane = mesh.lanes[0]
+        assert lane is not None and lane.take is not None  # bound: the one-step path from now on
+
+        replay = signed(0, out("again"))
+        clients[0].send(replay)
+        clients[0].send(replay)  # the same number again
+        clients[0].send(signed(0, out("forged"), key=os.urandom(32)))
+        clients[0].send(signed(1, out("rank 1's"), number=99))  # rank 1's own key: signed right, wrong lane
+        seq[0] += 1
+        clients[0].send([codec._sign(keys[0].key, [m := codec._ENVELOPE.pack(7, 0, seq[0], 3) + b"zzz"]) + m])
+        clients[0].send(codec.encode(keys[0].key, 7, 0, seq[0] + 1, (9999, 1)))  # no message has that tag
+        seq[0] += 1
+        big = "x" * 100_000  # one frame over 64 KiB: signed with HMAC-SHA256
+        later = [
+            signed(0, out(big)),
+            signed(0, protocol.Reply(5, True), codec.dumps(bytearray(os.urandom(50_000)))),  # 2 frames
+            signed(0, out("last")),
+        ]
+        writer = threading.Thread(target=lambda: [clients[0].send(m) for m in later])  # (more than a socket holds)
+        writer.start()
+        got = received(4)
+        writer.join(30)
+        assert [type(e.message).__name__ for e in got] == ["Output", "Output", "Reply", "Output"]
+        assert [got[0].message.text, got[1].message.text == big, got[3].message.text] == ["again", True, "last"]
+        assert len(codec.loads(got[2].body, got[2].buffers)) == 50_000
+        assert [line.split(":")[0] for line in logged] == [
+            "a replayed message",
+            "a message",
+            "a message",
+            "a message",
+            "a message",
+        ]
+        assert "bad signature" in logged[1] and "wrote on the lane of rank 0" in logged[2]
+        assert "header could not be read" in logged[3] and "not a message" in logged[4]
+
+        clients[0].send(signed(0, protocol.Goodbye()))
+        deadline, delivered = time.monotonic() + 30, []
+        while 0 not in mesh.goodbyes and time.monotonic() < deadline:
+            delivered.append(transport.recv(True))
+        assert 0 in mesh.goodbyes and all(d is None or d is DROPPED for d in delivered)  # (the transport's own)
+    finally:
+        for c in clients:
+            c.close()
+        transport.close()
+        transport.close_store()
+        transport.terminate()

@@ -169,19 +169,22 @@ class Receiver:
     ) -> bool:
         replies = self.replies
         replies.set_timeout(max(1, int(timeout * 1000)))
-        while not _ended(fut) and not HOLD.pending:
+        recv, on_reply, reply = replies.recv, self._on_reply, protocol.Reply
+        while fut._state not in _ENDED and not HOLD.pending:  # (`_ended`, inline: asked after each message)
             got = None
             if spin:
                 self.polls += 1
                 got = replies.poll_briefly(self.spin)
             if got is None:
-                got = replies.recv(True)
+                got = recv(True)
                 if got is None:
                     return False
             if got is POKE or got is DROPPED:  # a poke: look at our call again
                 continue
             spin = polling  # replies come in bursts: poll for the next one
-            if self.handle(got):
+            if type(got.message) is reply:  # (the common message: `handle`'s table, one call fewer)
+                on_reply(got)
+            elif self.handle(got):
                 return True
         return True
 

@@ -301,3 +301,28 @@ def decode(key: Any, frames: Sequence[zmq.Frame | bytes | memoryview]) -> Envelo
     if not _compare(first[:SIG], mac):
         raise BadSignature(f"bad signature on a {len(first)}-byte message")
     return Envelope(mesh_id, rank, seq, pickle.loads(first[_FIXED : _FIXED + n]), first[_FIXED + n :], bufs)
+
+
+def one_sender(key: bytes, mesh_id: int, rank: int, seen: list[int]) -> Callable[[memoryview], Envelope | None]:
+    """`decode` for a connection that carries only (`mesh_id`, `rank`)'s messages (a lane), in one call per
+    message: a one-frame message signed with `key`, from that sender, numbered above ``seen[rank]`` (which it
+    then becomes) comes back as its `Envelope`, its body copied out of the view; for anything else, None
+    (or the header's unpickling error) and nothing changes: `decode` and the receiver's checks then say
+    what is wrong. Why: a no-op call on 8
+    workers takes 8 replies, and `decode` with its helpers cost a third of their Python."""
+    fixed, small, unpack, loads = _FIXED, SMALL + SIG, _ENVELOPE.unpack_from, pickle.loads
+
+    def check(first: memoryview) -> Envelope | None:
+        size = len(first)
+        if size < fixed or size >= small:
+            return None
+        m, r, seq, n = unpack(first, SIG)
+        if m != mesh_id or r != rank or seq <= seen[rank] or fixed + n > size:
+            return None
+        if not _compare(first[:SIG], _blake2b(first[SIG:], key=key, digest_size=SIG).digest()):
+            return None
+        env = Envelope(m, r, seq, loads(first[fixed : fixed + n]), bytes(first[fixed + n :]), [])
+        seen[rank] = seq  # (only now: a header that does not unpickle raises, and `decode` says so)
+        return env
+
+    return check

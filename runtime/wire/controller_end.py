@@ -350,7 +350,14 @@ class ControllerTransport:
     def recv(self, block: bool) -> Any:
         """The next reply as an `Envelope` (signature and sequence checked, message unpacked), `POKE`,
         `DROPPED`, or None (nothing within the timeout, or nothing at all when not blocking)."""
-        if self.lanes is not None:
+        lanes = self.lanes
+        if lanes is not None:
+            messages = lanes.messages
+            if messages:  # (the common case while replies come: one taken by the last read, checked already)
+                got = messages.popleft()
+                if type(got) is not tuple:
+                    return got
+                messages.appendleft(got)
             return self._recv_any(block)
         try:
             first = self.reply.recv(0 if block else _NOBLOCK, copy=False)
@@ -366,8 +373,10 @@ class ControllerTransport:
         deadline = None
         while True:
             if messages:
-                lane, frames = messages.popleft()
-                return self._verify(frames, lane=lane)
+                got = messages.popleft()
+                if type(got) is tuple:
+                    return self._verify(got[1], lane=got[0])
+                return got  # (checked already: `_take`)
             if self._zmq_maybe:
                 try:
                     first = self.reply.recv(_NOBLOCK, copy=False)
@@ -434,16 +443,7 @@ class ControllerTransport:
                 return DROPPED
             seen[env.rank] = env.seq
             env.message = protocol.unpack(env.message)
-            if lane is not None and type(env.message) in _STARTUP:
-                if self.on_startup is not None:
-                    self.on_startup(env)
-                return DROPPED  # (taken by whoever starts the mesh)
-            if type(env.message) is protocol.Goodbye:
-                with self.goodbyes:
-                    mesh.goodbyes.add(env.rank)
-                    self.goodbyes.notify_all()
-                return DROPPED  # (nothing for the receiver to do)
-            return env
+            return self._deliverable(env, mesh, lane)
         except codec.UnknownSender as e:
             self.log("a message", str(e))
         except (codec.BadSignature, ValueError) as e:
@@ -451,6 +451,52 @@ class ControllerTransport:
         except Exception as e:  # a header that is not ours (it was signed, so this is a bug)
             self.log("a message", f"its header could not be read: {type(e).__name__}: {e}")
         return DROPPED
+
+    def _deliverable(self, env: codec.Envelope, mesh: _Mesh, lane: Lane | None) -> Any:
+        """A checked message, or `DROPPED` for one that the transport takes itself (start-up, `Goodbye`)."""
+        if lane is not None and type(env.message) in _STARTUP:
+            if self.on_startup is not None:
+                self.on_startup(env)
+            return DROPPED  # (taken by whoever starts the mesh)
+        if type(env.message) is protocol.Goodbye:
+            with self.goodbyes:
+                mesh.goodbyes.add(env.rank)
+                self.goodbyes.notify_all()
+            return DROPPED  # (nothing for the receiver to do)
+        return env
+
+    def _take_for(self, lane: Lane, mesh_id: int, mesh: _Mesh, rank: int) -> Callable[[memoryview], Any]:
+        """`Lane.take` for a lane bound to (`mesh_id`, `rank`): its one-frame messages checked in one call each
+        (`codec.one_sender`); whatever that does not take goes through `_verify`, which says what is wrong."""
+        special = (*_STARTUP, protocol.Goodbye)
+        check, meshes, unpack, deliverable = (
+            codec.one_sender(mesh.key, mesh_id, rank, mesh.seen),
+            self._meshes,
+            protocol.unpack,
+            self._deliverable,
+        )
+
+        def take(first: memoryview) -> Any:
+            try:
+                env = check(first)
+            except Exception:  # (a header that does not unpickle: `_verify` says so)
+                env = None
+            if env is None:
+                got = self._verify([bytes(first)], lane=lane)
+            elif meshes.get(mesh_id) is not mesh:
+                return None  # stopped meanwhile
+            else:
+                try:
+                    env.message = unpack(env.message)
+                except ValueError as e:
+                    self.log("a message", f"it failed its checks: {e}")
+                    return None
+                if type(env.message) not in special:
+                    return env
+                got = deliverable(env, mesh, lane)
+            return None if got is DROPPED else got
+
+        return take
 
     def _bind(self, lane: Lane, mesh: _Mesh, env: codec.Envelope) -> bool:
         """A lane's first message (its signature checked) says whose lane it is: bind it to that worker, if
@@ -465,6 +511,7 @@ class ControllerTransport:
             return False
         lane.owner = (env.mesh_id, env.rank)
         mesh.lanes[env.rank] = lane
+        lane.take = self._take_for(lane, env.mesh_id, mesh, env.rank)
         return True
 
     def poke(self) -> None:
