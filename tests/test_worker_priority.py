@@ -89,8 +89,26 @@ def test_local_workers_poll_for_commands_only_with_a_cpu_each_beside_the_control
     assert wait_gone(pids) == []
 
 
-def test_how_many_local_workers_may_poll_for_the_cpus_there_are():
+def test_how_many_local_workers_may_poll_for_the_cores_there_are():
     from monarch.runtime.backends.local import spins
 
-    assert spins(1, 2) and not spins(1, 1)  # one worker: a CPU each
-    assert not spins(8, 16) and spins(8, 17) and not spins(2, 4) and spins(2, 5)  # more: a core each, in pairs
+    assert spins(1, 2) and not spins(1, 1) and spins(8, 9) and not spins(8, 8)  # a core each, the controller's too
+
+
+@pytest.mark.parametrize(
+    "siblings, want",
+    [
+        (["0,4", "1,5", "2,6", "3,7", "0,4", "1,5", "2,6", "3,7"], 4),  # hyperthread pairs: 8 CPUs, 4 cores
+        (["0-1", "0-1", "2-3", "2-3"], 2),
+        ([str(c) for c in range(8)], 8),  # a core per CPU
+        (None, 4),  # no topology to read: pairs assumed
+    ],
+)
+def test_cores_are_counted_once_however_many_hyperthreads_they_have(tmp_path, siblings, want):
+    from monarch.runtime.common.processes import usable_cores
+
+    for cpu, listed in enumerate(siblings or ()):
+        (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (tmp_path / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(listed + "\n")
+    assert usable_cores(range(8 if siblings is None else len(siblings)), str(tmp_path)) == want
+    assert 1 <= usable_cores() <= len(os.sched_getaffinity(0))  # (this machine's own)

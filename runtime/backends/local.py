@@ -23,7 +23,7 @@ from monarch.runtime.common import groups, log
 from monarch.runtime.common.config import Settings
 from monarch.runtime.common.errors import exit_cause
 from monarch.runtime.common.processes import proc_state as _proc_state
-from monarch.runtime.common.processes import usable_cpus
+from monarch.runtime.common.processes import usable_cores
 from monarch.runtime.common.shape import Shape
 from monarch.runtime.procs.workers import WorkerProcs, clean_stale_dirs, fork_server, fork_server_pid, private_dir
 from monarch.runtime.wire import protocol
@@ -44,12 +44,12 @@ class _Mesh:
     start_error: tuple[int, str] | None = None
 
 
-def spins(workers: int, cpus: int) -> bool:
-    """Whether local workers poll for their next command (`Settings.worker_spin`): one worker beside the
-    controller with a CPU each; more only where each of them and the controller could have a core of its own
-    on CPUs that are hyperthread pairs (2 per core), since a poller on the controller's sibling slows it (16
-    CPUs, 8 workers polling: a no-op call and the op loop each read faster in some runs and slower in others)."""
-    return workers + 1 <= cpus if workers == 1 else 2 * workers + 1 <= cpus
+def spins(workers: int, cores: int) -> bool:
+    """Whether local workers poll for their next command (`Settings.worker_spin`): only where each of them and
+    the controller have a core of their own. A poller on a hyperthread of the controller's core slows it
+    (16 CPUs in 8 pairs, 8 workers polling: a no-op call read faster in some runs and slower in others); on
+    16 cores, 8 polling workers made it 114 µs against 122-156 sleeping (`benchmarks/RESULTS.md`)."""
+    return workers + 1 <= cores
 
 
 class LocalBackend(Backend):
@@ -109,7 +109,7 @@ class LocalBackend(Backend):
         self.expect_startup(mesh_id, lambda env: take_startup(mesh, env))
         env = dict(os.environ)
         threads = int(env.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // n))
-        spin = self.settings.worker_spin if spins(n, usable_cpus()) else 0.0
+        spin = self.settings.worker_spin if spins(n, usable_cores()) else 0.0
         ok = False
         try:
             for coords, rank in shape.points():

@@ -1,13 +1,31 @@
-"""What /proc says of a process (every side: the controller watches its workers, a worker its peers)."""
+"""What /proc and /sys say of a process and of the CPUs it may use (every side: the controller watches its
+workers, a worker its peers)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 
 
 def usable_cpus() -> int:
     """The CPUs this thread may run on (its affinity, as taskset or a Slurm job sets it), else all of them."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def usable_cores(cpus: Collection[int] | None = None, topology: str = "/sys/devices/system/cpu") -> int:
+    """Physical cores among `cpus` (default: the CPUs this thread may run on): hyperthreads of one core
+    (siblings, from `topology`) count once. Where the topology cannot be read, half the CPUs (pairs assumed),
+    at least one."""
+    if cpus is None:
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        try:
+            with open(f"{topology}/cpu{cpu}/topology/thread_siblings_list") as f:
+                cores.add(f.read().strip())
+        except OSError:
+            return max(1, len(cpus) // 2)
+    return max(1, len(cores))
 
 
 def proc_state(pid: int | None) -> str | None:
