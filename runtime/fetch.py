@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,6 +14,8 @@ from monarch.runtime.tensor.engine import flush
 from monarch.runtime.tensor.handles import Tensor
 from monarch.runtime.values import ValueMesh
 
+_TABLE = "monarch.runtime.worker.engine.table"
+
 
 def _rank_for(t: Tensor, coords: dict[str, int]) -> Any:
     view = t._mesh
@@ -20,20 +24,40 @@ def _rank_for(t: Tensor, coords: dict[str, int]) -> Any:
     return view.slice(**{d: 0 for d in view.names}) if view.names else view
 
 
+def _fetcher(t: Tensor, coords: dict[str, int]) -> RemoteFunction:
+    """The workers' `fetch` bound to the worker at `coords` of `t`'s mesh; for the first worker, made once per
+    view (a view's workers never change: `inspect` in a loop skips slicing the mesh each time)."""
+    if coords:
+        return RemoteFunction.by_name(_TABLE, "fetch", _rank_for(t, coords))
+    derived = t._mesh._derived
+    fetch = derived.get("fetch")
+    if fetch is None:
+        fetch = derived["fetch"] = RemoteFunction.by_name(_TABLE, "fetch", _rank_for(t, coords))
+    return fetch
+
+
+def _no_modes() -> Any:
+    """`_disable_current_modes()` where a dispatch mode is on (inside `mesh.activate()`, a tracer), else a
+    context that does nothing (entering torch's costs an `inspect` some µs even with no mode to disable)."""
+    if torch._C._len_torch_dispatch_stack() or torch._ops.mode_stack_state_for_pre_dispatch().count():
+        return torch.utils._python_dispatch._disable_current_modes()
+    return contextlib.nullcontext()
+
+
 def fetch_shard(t: Tensor, **coords: int):
     """A future for the value of `t` on the worker at `coords` (default: the first)."""
-    return Shard(_fetch(t, "fetch_shard", lambda view: _rank_for(t, coords)))
+    return Shard(_fetch(t, "fetch_shard", lambda: _fetcher(t, coords)))
 
 
 def inspect_all(t: Tensor) -> ValueMesh:
     """The value of `t` on every worker of its mesh, as local tensors, in one round trip (for views that
     let the user pick a rank)."""
-    call = _fetch(t, "inspect_all", lambda view: view)
-    with torch.utils._python_dispatch._disable_current_modes():
+    call = _fetch(t, "inspect_all", lambda: RemoteFunction.by_name(_TABLE, "fetch", t._mesh))
+    with _no_modes():
         return call.result()
 
 
-def _fetch(t: Tensor, what: str, target_of):
+def _fetch(t: Tensor, what: str, fetcher: Callable[[], RemoteFunction]) -> Any:
     if not isinstance(t, Tensor):
         raise TypeError(f"{what}: needs a monarch.Tensor, got {type(t).__name__}")
     if t._mesh.spawned.state != "running":
@@ -45,10 +69,8 @@ def _fetch(t: Tensor, what: str, target_of):
             f"{b.dropped_at}); inspect the original tensor instead"
         )
     flush(t._mesh)
-    target = target_of(t._mesh)
-    with torch.utils._python_dispatch._disable_current_modes():
-        fetch = RemoteFunction.by_name("monarch.runtime.worker.engine.table", "fetch", target)
-        return fetch.start((t._ref,), {}, name="fetching a tensor")
+    with _no_modes():
+        return fetcher().start((t._ref,), {}, name="fetching a tensor")
 
 
 class Shard:
@@ -62,7 +84,7 @@ class Shard:
         return self._call.done()
 
     def result(self, timeout: float | None = None) -> torch.Tensor:
-        with torch.utils._python_dispatch._disable_current_modes():
+        with _no_modes():
             return next(iter(self._call.result(timeout)))
 
     get = result

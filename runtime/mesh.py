@@ -109,6 +109,8 @@ class ProcMesh:
     def __init__(self, spawned: SpawnedMesh, shape: Shape):
         self._spawned = spawned
         self._shape = shape
+        self._derived: dict[str, Any] = {}
+        """What the runtime made from this view once and reuses (its workers never change), by name."""
 
     @property
     def spawned(self) -> SpawnedMesh:

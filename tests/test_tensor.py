@@ -224,6 +224,22 @@ def test_freed_handles_are_deleted_on_workers(mesh):
     assert after - before < 10, (before, after)
 
 
+def test_inspect_inside_activate_gives_a_local_tensor_and_the_first_worker_is_reused(mesh):
+    """Inside `mesh.activate()` (the capture's dispatch mode on), `inspect` still returns a local tensor, and
+    torch code goes on being captured after it; the fetch bound to the first worker is made once per view."""
+    with mesh.activate():
+        x = torch.arange(4.0) * 2
+        local = monarch.inspect(x)
+        y = x + 1  # captured still
+        assert type(local) is torch.Tensor and local.tolist() == [0.0, 2.0, 4.0, 6.0]
+        assert type(y) is not torch.Tensor
+    assert monarch.inspect(y).tolist() == [1.0, 3.0, 5.0, 7.0]
+    first = mesh._derived["fetch"]
+    monarch.inspect(y)
+    assert mesh._derived["fetch"] is first and len(first._mesh._shape) == 1
+    assert monarch.inspect(y, host=1, gpu=1).tolist() == [1.0, 3.0, 5.0, 7.0]  # (coords: sliced each time)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the workers have CUDA here")
 def test_cuda_request_on_a_cpu_mesh_warns_once(mesh, monkeypatch):
     """Every way a tutorial asks for "cuda" makes the tensor on the CPU of a mesh without CUDA, with one

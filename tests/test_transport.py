@@ -70,6 +70,42 @@ def test_large_tensors_are_out_of_band():
     assert torch.equal(codec.loads(env.body, env.buffers)["t"], t)
 
 
+def _tensors():
+    import torch
+
+    base = torch.arange(24.0).reshape(4, 6)
+    return {
+        "float": torch.arange(4.0),
+        "bfloat16": torch.randn(5).to(torch.bfloat16),  # (no numpy dtype: sent as its bytes)
+        "bool": torch.tensor([True, False, True]),
+        "0-dim": torch.tensor(3.5),
+        "empty": torch.empty(0, 3),
+        "strided view": base[:, ::2],
+        "large": torch.randn(300, 300),  # out of band
+        "needs grad": torch.ones(3, requires_grad=True),  # torch's own pickling
+    }
+
+
+@pytest.mark.parametrize("kind", list(_tensors()))
+def test_a_tensor_alone_comes_back_equal_through_the_c_pickler(kind):
+    """A result that is one tensor skips cloudpickle (`codec._TensorPickler`): whatever its kind, it comes back
+    equal, with its dtype, shape and strides of its own, and large ones out of band."""
+    t = _tensors()[kind]
+    parts = codec.dumps(t)
+    assert len(parts) == (2 if kind == "large" else 1)
+    back = codec.loads(parts[0], parts[1:])
+    assert back.dtype == t.dtype and back.shape == t.shape and back.requires_grad == t.requires_grad
+    assert back.is_contiguous() and torch_equal(back, t)
+    listed = codec.dumps([t])  # (inside a list: cloudpickle's way, the same)
+    assert torch_equal(codec.loads(listed[0], listed[1:])[0], back)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a.detach(), b.detach())
+
+
 TCP = textwrap.dedent(
     """
     import monarch

@@ -70,6 +70,8 @@ def _sign(key: bytes, parts: list[bytes | memoryview]) -> bytes:
 def _rebuild_tensor(buf: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
     import torch
 
+    if type(buf) is bytearray and buf:  # a small tensor's bytes, inside the pickle: writable, ours alone
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # zmq frames are read-only buffers; the memory is ours
         flat = torch.frombuffer(buf, dtype=torch.uint8) if len(memoryview(buf)) else torch.empty(0, dtype=torch.uint8)
@@ -137,6 +139,19 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]  # (cloudpickle: no t
             # pickle then finds it wherever `torch` is bound first in sys.modules: in a notebook, `__mp_main__`.
             return _torch_attr, (str(obj).removeprefix("torch."),)
         return super().reducer_override(obj)
+
+
+class _TensorPickler(pickle.Pickler):
+    """The C pickler alone, for a result that is one tensor (`monarch.inspect`, an op's value): cloudpickle's
+    checks, made for functions and classes, cost such a result most of its pickling."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is sys.modules["torch"].Tensor:
+            try:
+                return _reduce_tensor(obj)
+            except (RuntimeError, ImportError):  # no numpy: fall back to torch's own pickling
+                return obj.__reduce_ex__(5)
+        return NotImplemented
 
 
 class FunctionRef:
@@ -213,7 +228,11 @@ def dumps(obj: Any) -> list[bytes | memoryview]:
         return False
 
     f = io.BytesIO()
-    _Pickler(f, protocol=5, buffer_callback=keep).dump(obj)
+    torch = sys.modules.get("torch")
+    if torch is not None and type(obj) is torch.Tensor:
+        _TensorPickler(f, protocol=5, buffer_callback=keep).dump(obj)
+    else:
+        _Pickler(f, protocol=5, buffer_callback=keep).dump(obj)
     return [f.getvalue(), *buffers]
 
 
