@@ -30,6 +30,9 @@ before any of our code runs:
 - `spawn`: N processes forked by a process that imported only the standard library and pyzmq; each child
   makes a zmq context, connects a PUSH to the parent's PULL (bound before) and says hello; from the first
   fork until all N hellos arrived. Median of 5.
+- `torch_import`: `import torch` alone in a fresh process of the same Python (median of 3), the one floor that
+  imports torch: what a cold spawn of workers with torch imported pays at least once, wherever it imports it
+  (issue 29 compares our cold spawn, torch imported, with torchmonarch's, which imports no torch).
 
 `floors()` runs them all and returns the figures, in seconds (`sign`, `check` & co.: seconds per message).
 """
@@ -401,6 +404,24 @@ def spawn() -> float | None:
     return got["spawn"] if got else None
 
 
+TORCH_IMPORT = textwrap.dedent(
+    """
+    import json, statistics, subprocess, sys
+    code = "import time; t0 = time.perf_counter(); import torch; print(time.perf_counter() - t0)"
+    runs = [float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+            for _ in range(3)]
+    print(json.dumps({"torch_import": statistics.median(runs)}))
+    """
+)
+
+
+def torch_import() -> float | None:
+    """Seconds `import torch` takes in a fresh process of this Python, alone (median of 3): what a cold spawn
+    of workers that have torch imported pays once at least, wherever it is imported."""
+    got = measure(sys.executable, TORCH_IMPORT)
+    return got["torch_import"] if got else None
+
+
 def floors() -> dict:
     """Every floor, in seconds; a floor whose measurement failed is missing (the failure was printed)."""
     out: dict = {}
@@ -419,6 +440,9 @@ def floors() -> dict:
     spawned = spawn()
     if spawned is not None:
         out["spawn"] = spawned
+    imported = torch_import()
+    if imported is not None:
+        out["torch_import"] = imported
     return out
 
 
@@ -439,6 +463,8 @@ def describe(f: dict) -> str:
         parts.append(f"ROUTER/DEALER echo to {N} {f['rtt_router'] * 1e3:.3g} ms")
     if "spawn" in f:
         parts.append(f"spawn of {N} bare forks to their hellos {f['spawn'] * 1e3:.3g} ms")
+    if "torch_import" in f:
+        parts.append(f"`import torch` alone in a fresh process {f['torch_import']:.3g} s")
     if "sign" in f:
         parts.append(f"pickle + sign {f['sign'] * 1e6:.2g} µs, check + unpickle {f['check'] * 1e6:.2g} µs per message")
     return "floor, same run (stdlib + pyzmq only, benchmarks/floor.py): " + ("; ".join(parts) or "failed (above)")

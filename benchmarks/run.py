@@ -260,6 +260,9 @@ def print_headline(results: dict, floors: dict) -> None:
     print_floor_ratio(
         results, "cold", floors.get("spawn"), forks, f"; target (issue 29): no slower than torchmonarch's: {met}"
     )
+    print_floor_ratio(
+        results, "cold", floors.get("torch_import"), "`import torch` alone in a fresh process, which ours pay once"
+    )
     print_rows(results, [("second mesh's spawn (8 workers; monarch's: median of 5)", "second", "s", 1)])
     print_floor_ratio(results, "second", floors.get("spawn"), forks)
     print_rows(results, [("no-op call on 8 workers, round trip (median)", "rtt", "ms", 1e3)])
