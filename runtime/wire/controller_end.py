@@ -79,6 +79,17 @@ class _Mesh:
     use the command and reply sockets."""
 
 
+@dataclass(slots=True)
+class _Held:
+    """A lane's message checked as it was read that the transport acts on itself (start-up, `Goodbye`): queued
+    with the rest and acted on in its turn, when the receiver gets to it (`_deliverable`), so that a
+    `Goodbye` counts only once everything sent before it was handled."""
+
+    env: codec.Envelope
+    mesh: _Mesh
+    lane: Lane
+
+
 class PeerStalled(Exception):
     """A worker has not taken its commands for `send_stall` seconds while its queue was full."""
 
@@ -355,7 +366,7 @@ class ControllerTransport:
             messages = lanes.messages
             if messages:  # (the common case while replies come: one taken by the last read, checked already)
                 got = messages.popleft()
-                if type(got) is not tuple:
+                if type(got) is codec.Envelope:
                     return got
                 messages.appendleft(got)
             return self._recv_any(block)
@@ -376,7 +387,9 @@ class ControllerTransport:
                 got = messages.popleft()
                 if type(got) is tuple:
                     return self._verify(got[1], lane=got[0])
-                return got  # (checked already: `_take`)
+                if type(got) is _Held:  # (checked as it was read; acted on only now, in its turn)
+                    return self._deliverable(got.env, got.mesh, got.lane)
+                return got  # (checked already: `Lane.take`)
             if self._zmq_maybe:
                 try:
                     first = self.reply.recv(_NOBLOCK, copy=False)
@@ -469,12 +482,7 @@ class ControllerTransport:
         """`Lane.take` for a lane bound to (`mesh_id`, `rank`): its one-frame messages checked in one call each
         (`codec.one_sender`); whatever that does not take goes through `_verify`, which says what is wrong."""
         special = (*_STARTUP, protocol.Goodbye)
-        check, meshes, unpack, deliverable = (
-            codec.one_sender(mesh.key, mesh_id, rank, mesh.seen),
-            self._meshes,
-            protocol.unpack,
-            self._deliverable,
-        )
+        check, meshes, unpack = codec.one_sender(mesh.key, mesh_id, rank, mesh.seen), self._meshes, protocol.unpack
 
         def take(first: memoryview) -> Any:
             try:
@@ -493,7 +501,7 @@ class ControllerTransport:
                     return None
                 if type(env.message) not in special:
                     return env
-                got = deliverable(env, mesh, lane)
+                return _Held(env, mesh, lane)  # (in its turn: a Goodbye says all before it was handled)
             return None if got is DROPPED else got
 
         return take
