@@ -327,8 +327,8 @@ def one_sender(key: bytes, mesh_id: int, rank: int, seen: list[int]) -> Callable
     message: a one-frame message signed with `key`, from that sender, numbered above ``seen[rank]`` (which it
     then becomes) comes back as its `Envelope`, its body copied out of the view; for anything else, None
     (or the header's unpickling error) and nothing changes: `decode` and the receiver's checks then say
-    what is wrong. Why: a no-op call on 8
-    workers takes 8 replies, and `decode` with its helpers cost a third of their Python."""
+    what is wrong. Why: a no-op call on 8 workers takes 8 replies, and `decode` with its helpers cost a third
+    of their Python."""
     fixed, small, unpack, loads = _FIXED, SMALL + SIG, _ENVELOPE.unpack_from, pickle.loads
 
     def check(first: memoryview) -> Envelope | None:
