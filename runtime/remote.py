@@ -18,6 +18,7 @@ from monarch.runtime.controller import OutputEvent, fnblob
 from monarch.runtime.mesh import ProcMesh, active_mesh
 from monarch.runtime.values import Future
 from monarch.runtime.wire import codec, protocol
+from monarch.runtime.wire.hold import Deferred
 
 
 class RemoteFunction:
@@ -104,19 +105,26 @@ class RemoteFunction:
             if sources_of is not None:
                 sources = {**(sources or {}), **_sources(sources_of)} or None
             cells = {f: c for f in sources or () if (c := cell_name(f)) is not None} or None
-            pending = controller.call(
-                spawned,
-                shape.ranks,
-                lambda call_id: (
-                    protocol.Call(call_id, fid, shape.names, shape.sizes, shape.ranks, fn_blob, sources, cells),
-                    body,
-                ),
-                no_stdin,
-                output,
-                name or self.__name__,
-            )
+            # Ctrl-C from here until the caller waits would leave the call running on the workers with nobody
+            # to interrupt it (seen: Kernel > Interrupt landing in a mesh view's Thread.start(), called back
+            # as the call started): held until it is sent, then it interrupts the call as in result().
+            with Deferred() as ctrl_c:
+                pending = controller.call(
+                    spawned,
+                    shape.ranks,
+                    lambda call_id: (
+                        protocol.Call(call_id, fid, shape.names, shape.sizes, shape.ranks, fn_blob, sources, cells),
+                        body,
+                    ),
+                    no_stdin,
+                    output,
+                    name or self.__name__,
+                )
             have.update(shape.ranks)
-        return Future(pending, shape, name or self.__name__)
+        future: Future = Future(pending, shape, name or self.__name__)
+        if ctrl_c.pressed:
+            raise future.interrupted() from None
+        return future
 
     def __repr__(self) -> str:
         return f"<live function {self.__qualname__}>"

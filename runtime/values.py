@@ -52,7 +52,7 @@ class Future(Generic[T]):
             try:
                 replies = controller.wait(self._pending, timeout)
             except KeyboardInterrupt:
-                raise self._interrupt() from None
+                raise self.interrupted() from None
             self._value = self._decode(replies)
         return self._value
 
@@ -76,8 +76,9 @@ class Future(Generic[T]):
         if not self.done():
             self._pending.mesh.controller.interrupt(self._pending)
 
-    def _interrupt(self) -> RemoteInterrupt:
-        """Interrupt the busy workers and collect, for a moment, where each one was."""
+    def interrupted(self) -> RemoteInterrupt:
+        """Interrupt the busy workers and collect, for a moment, where each one was: the error Ctrl-C
+        raises while this call is waited for (or started)."""
         pending = self._pending
         controller = pending.mesh.controller
         controller.interrupt(pending)

@@ -389,3 +389,49 @@ def test_ctrl_c_on_a_call_queued_behind_another_threads_call_leaves_that_call_al
     finally:
         mesh.exit()
     assert wait_gone(pids) == []
+
+
+def test_ctrl_c_while_a_call_starts_interrupts_it_on_the_workers(tmp_path):
+    """Ctrl-C that lands after a call was sent but before its caller waits (here: in a mesh view's callback,
+    in a `Thread.start()` as the kernel's mesh table does) interrupts the call on the workers, as one during
+    the wait does; it is not raised bare with the workers left running. Both ways of holding Ctrl-C: under
+    the controller's own handler, and under another (ipykernel puts Python's default one back per cell)."""
+    from monarch.runtime.common.errors import RemoteInterrupt
+
+    mesh = this_host().spawn_procs({"gpu": 2})
+    pids = worker_pids(mesh)
+    presses: list[int] = []
+    armed = threading.Event()  # (once per call: not again while the interrupted call is waited for)
+
+    def press_as_the_call_starts() -> None:
+        if threading.current_thread() is threading.main_thread() and armed.is_set() and mesh_busy():
+            armed.clear()
+            presses.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+            threading.Thread(target=time.sleep, args=(0.01,)).start()  # an untimed wait, where Ctrl-C lands
+            time.sleep(0.05)
+
+    def mesh_busy() -> bool:
+        return any(s == "busy" for s in mesh.status())
+
+    assert list(sleep.on(mesh)(0)) == [0, 0]  # (shipped: what is interrupted is the call, not a slow first load)
+    stop = mesh.on_change(press_as_the_call_starts)
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        for handler in (before, signal.default_int_handler):
+            signal.signal(signal.SIGINT, handler)
+            got: BaseException | None = None
+            armed.set()
+            try:
+                sleep.on(mesh)(30)
+            except KeyboardInterrupt as e:  # (caught whole: a bare one reaching pytest would end the session)
+                got = e
+            assert isinstance(got, RemoteInterrupt), repr(got)
+            assert got.busy == [] and "ranks 0-1" in str(got), str(got)  # each worker said where it was
+            assert list(rank.on(mesh)()) == [0, 1]  # the workers are not left sleeping (not "mesh busy")
+        assert len(presses) == 2
+    finally:
+        stop()
+        signal.signal(signal.SIGINT, before)
+        mesh.exit()
+    assert wait_gone(pids) == []

@@ -85,3 +85,27 @@ class _Swap:
 
 
 _setsignal = _signal.signal
+
+
+class Deferred:
+    """Ctrl-C on the main thread held for a block, then reported as `pressed` instead of raised (when what
+    it would have run raises KeyboardInterrupt): for a step whose caller must act on it, such as a call
+    that was just sent, which is then interrupted on the workers rather than left running. The block's
+    own error, if any, goes on (a Ctrl-C that came meanwhile is then dropped)."""
+
+    def __enter__(self) -> Deferred:
+        self.pressed = False
+        self._held = HOLD.enter()
+        self._swap = _Swap() if not self._held and _Swap.needed() else None
+        if self._swap is not None:
+            self._swap.__enter__()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        try:
+            if self._held:
+                HOLD.leave()
+            elif self._swap is not None:
+                self._swap.__exit__()
+        except KeyboardInterrupt:
+            self.pressed = exc_type is None

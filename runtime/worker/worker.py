@@ -273,10 +273,10 @@ class Worker:
             if isinstance(fn, BaseException):
                 raise RuntimeError(f"this function could not be loaded on this worker: {type(fn).__name__}: {fn}")
             args, kwargs = codec.loads(env.body, env.buffers)
-            if call_id in self.cancelled:  # (after keeping the function: later calls rely on it)
-                raise KeyboardInterrupt("interrupted before it started")
-            self.in_user_code = True
+            self.in_user_code = True  # (first: Ctrl-C from here on is raised, before it lands in `cancelled`)
             try:
+                if call_id in self.cancelled:  # (after keeping the function: later calls rely on it)
+                    raise KeyboardInterrupt("interrupted before it started")
                 value = fn(*args, **kwargs)
             except bdb.BdbQuit:
                 value = None  # `q` at a pdb prompt: the call ends quietly on this rank, as a cell does
