@@ -27,12 +27,12 @@ def _rank_for(t: Tensor, coords: dict[str, int]) -> Any:
 def _fetcher(t: Tensor, coords: dict[str, int]) -> RemoteFunction:
     """The workers' `fetch` bound to the worker at `coords` of `t`'s mesh; for the first worker, made once per
     view (a view's workers never change: `inspect` in a loop skips slicing the mesh each time)."""
-    if coords:
-        return RemoteFunction.by_name(_TABLE, "fetch", _rank_for(t, coords))
-    derived = t._mesh._derived
-    fetch = derived.get("fetch")
+    derived = None if coords else t._mesh._derived
+    fetch = None if derived is None else derived.get("fetch")
     if fetch is None:
-        fetch = derived["fetch"] = RemoteFunction.by_name(_TABLE, "fetch", _rank_for(t, coords))
+        fetch = RemoteFunction.by_name(_TABLE, "fetch", _rank_for(t, coords))
+        if derived is not None:
+            derived["fetch"] = fetch
     return fetch
 
 

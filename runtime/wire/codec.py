@@ -79,6 +79,15 @@ def _rebuild_tensor(buf: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
 
 
 def _reduce_tensor(t: Any) -> Any:
+    """A tensor's reduction for both picklers: its bytes apart (out of band when large), or torch's own
+    pickling where they cannot be had (no numpy)."""
+    try:
+        return _tensor_bytes(t)
+    except (RuntimeError, ImportError):
+        return t.__reduce_ex__(5)
+
+
+def _tensor_bytes(t: Any) -> Any:
     import torch
 
     if (
@@ -130,10 +139,7 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]  # (cloudpickle: no t
             return reduce(obj)
         torch = sys.modules.get("torch")
         if torch is not None and type(obj) is torch.Tensor:
-            try:
-                return _reduce_tensor(obj)
-            except (RuntimeError, ImportError):  # no numpy: fall back to torch's own pickling
-                return obj.__reduce_ex__(5)
+            return _reduce_tensor(obj)
         if torch is not None and isinstance(obj, torch.memory_format | torch.layout):
             # torch.preserve_format, torch.strided & co. reduce to a bare name like "torch.preserve_format", and
             # pickle then finds it wherever `torch` is bound first in sys.modules: in a notebook, `__mp_main__`.
@@ -147,10 +153,7 @@ class _TensorPickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is sys.modules["torch"].Tensor:
-            try:
-                return _reduce_tensor(obj)
-            except (RuntimeError, ImportError):  # no numpy: fall back to torch's own pickling
-                return obj.__reduce_ex__(5)
+            return _reduce_tensor(obj)
         return NotImplemented
 
 

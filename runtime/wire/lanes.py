@@ -89,6 +89,9 @@ class Reader:
 
     def fill(self, sock: socket.socket, flags: int = 0) -> int:
         """One read (blocking or not, as the socket is); bytes read, 0 at the end of the stream."""
+        if self.end == 0 and self.want <= len(self.buf):  # (empty with room enough, the common case: no slice)
+            n = self.end = sock.recv_into(self.view, 0, flags)
+            return n
         room = max(CHUNK, self.want - (self.end - self.start))
         if len(self.buf) - self.end < room:
             self._make_room(room)
@@ -442,17 +445,13 @@ class LaneServer:
     def _read(self, lane: Lane) -> None:
         reader = lane.reader
         try:
-            if reader.end == 0 and len(reader.buf) == CHUNK and reader.want <= CHUNK:  # (`Reader.fill`, inline)
-                n = lane.sock.recv_into(reader.view)
-                reader.end = n
-            else:
-                n = reader.fill(lane.sock)
+            n = reader.fill(lane.sock)
         except BlockingIOError:
             return
         except OSError:
             n = 0
         take = lane.take
-        if take is not None and n:  # (`_take`, inline: one call fewer per message)
+        if take is not None and n:  # one-frame messages cut off here (`Reader.next`'s common case) and checked
             buf, view, s, end = reader.buf, reader.view, reader.start, reader.end
             messages = self.messages
             try:
