@@ -10,7 +10,6 @@ import torch
 
 from monarch.runtime.remote import RemoteFunction
 from monarch.runtime.tensor.checks import check_alive
-from monarch.runtime.tensor.engine import flush
 from monarch.runtime.tensor.handles import Tensor
 from monarch.runtime.values import ValueMesh
 
@@ -36,28 +35,39 @@ def _fetcher(t: Tensor, coords: dict[str, int]) -> RemoteFunction:
     return fetch
 
 
+_NOTHING = contextlib.nullcontext()
+
+
 def _no_modes() -> Any:
     """`_disable_current_modes()` where a dispatch mode is on (inside `mesh.activate()`, a tracer), else a
     context that does nothing (entering torch's costs an `inspect` some µs even with no mode to disable)."""
     if torch._C._len_torch_dispatch_stack() or torch._ops.mode_stack_state_for_pre_dispatch().count():
         return torch.utils._python_dispatch._disable_current_modes()
-    return contextlib.nullcontext()
+    return _NOTHING
 
 
 def fetch_shard(t: Tensor, **coords: int):
     """A future for the value of `t` on the worker at `coords` (default: the first)."""
-    return Shard(_fetch(t, "fetch_shard", lambda: _fetcher(t, coords)))
+    with _no_modes():
+        return Shard(_fetch(t, "fetch_shard", _fetcher, coords))
 
 
 def inspect_all(t: Tensor) -> ValueMesh:
     """The value of `t` on every worker of its mesh, as local tensors, in one round trip (for views that
     let the user pick a rank)."""
-    call = _fetch(t, "inspect_all", lambda: RemoteFunction.by_name(_TABLE, "fetch", t._mesh))
     with _no_modes():
-        return call.result()
+        return _fetch(t, "inspect_all", _every_worker, {}).result()
 
 
-def _fetch(t: Tensor, what: str, fetcher: Callable[[], RemoteFunction]) -> Any:
+def _every_worker(t: Tensor, coords: dict[str, int]) -> RemoteFunction:
+    return RemoteFunction.by_name(_TABLE, "fetch", t._mesh)
+
+
+def _fetch(
+    t: Tensor, what: str, fetcher: Callable[[Tensor, dict[str, int]], RemoteFunction], coords: dict[str, int]
+) -> Any:
+    """The call that fetches `t` (from the workers `fetcher(t, coords)` names), started. Callers hold
+    `_no_modes()` around it and its result (a dispatch mode would see the tensors made meanwhile)."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{what}: needs a monarch.Tensor, got {type(t).__name__}")
     if t._mesh.spawned.state != "running":
@@ -68,9 +78,8 @@ def _fetch(t: Tensor, what: str, fetcher: Callable[[], RemoteFunction]) -> Any:
             f"inspect: a borrowed tensor used after its borrow was dropped (borrowed at {b.where}, dropped at "
             f"{b.dropped_at}); inspect the original tensor instead"
         )
-    flush(t._mesh)
-    with _no_modes():
-        return fetcher().start((t._ref,), {}, name="fetching a tensor")
+    # (the tensor commands issued before are sent first: `start` sends what the mesh's engine holds)
+    return fetcher(t, coords).start((t._ref,), {}, name="fetching a tensor")
 
 
 class Shard:
@@ -96,4 +105,5 @@ class Shard:
 
 def inspect(t: Tensor, **coords: int) -> torch.Tensor:
     """The value of `t` on the worker at `coords` (default: the first), as a local tensor."""
-    return fetch_shard(t, **coords).result()
+    with _no_modes():
+        return next(iter(_fetch(t, "inspect", _fetcher, coords).result()))

@@ -71,7 +71,7 @@ def _rebuild_tensor(buf: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
     import torch
 
     if type(buf) is bytearray and buf:  # a small tensor's bytes, inside the pickle: writable, ours alone
-        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # zmq frames are read-only buffers; the memory is ours
         flat = torch.frombuffer(buf, dtype=torch.uint8) if len(memoryview(buf)) else torch.empty(0, dtype=torch.uint8)
@@ -88,22 +88,22 @@ def _reduce_tensor(t: Any) -> Any:
 
 
 def _tensor_bytes(t: Any) -> Any:
-    import torch
-
-    if (
-        type(t) is not torch.Tensor
-        or t.layout != torch.strided
-        or t.requires_grad
-        or t.is_quantized
-        or t.device.type not in ("cpu", "cuda")
-        or t.element_size() == 0
-    ):
+    torch = sys.modules["torch"]  # (a tensor is here: torch is imported)
+    if type(t) is not torch.Tensor or t.layout != torch.strided or t.requires_grad or t.is_quantized:
         return t.__reduce_ex__(5)
-    if t.device.type != "cpu":
+    if not t.is_cpu:
+        if not t.is_cuda:
+            return t.__reduce_ex__(5)
         t = t.cpu()
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if t.element_size() == 0:
+        return t.__reduce_ex__(5)
     if t.nbytes < OOB_MIN_BYTES:  # small: its bytes inside the pickle (torch's own pickling is ~50 µs)
-        return _rebuild_tensor, (bytearray(flat.numpy()), t.dtype, tuple(t.shape))
+        try:  # (no op through torch's dispatcher, whose code a worker just woken has cold: several µs each)
+            data = bytearray(memoryview(t.numpy()))  # (not bytearray(array): a 0-dim int array is a count)
+        except TypeError:  # a dtype numpy lacks (bfloat16, float8): the bytes of a uint8 view
+            data = bytearray(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+        return _rebuild_tensor, (data, t.dtype, tuple(t.shape))
+    flat = t.contiguous().reshape(-1).view(torch.uint8)
     return _rebuild_tensor, (pickle.PickleBuffer(flat.numpy()), t.dtype, tuple(t.shape))
 
 
@@ -147,14 +147,18 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]  # (cloudpickle: no t
         return super().reducer_override(obj)
 
 
-class _TensorPickler(pickle.Pickler):
-    """The C pickler alone, for a result that is one tensor (`monarch.inspect`, an op's value): cloudpickle's
-    checks, made for functions and classes, cost such a result most of its pickling."""
+class _Reduced:
+    """Pickles as the reduction it holds: a result that is one tensor goes through the C pickler alone, with
+    no pickler subclass (cloudpickle's checks, made for functions and classes, cost such a result most of its
+    pickling; a `reducer_override` is a Python call for each object in it)."""
 
-    def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is sys.modules["torch"].Tensor:
-            return _reduce_tensor(obj)
-        return NotImplemented
+    __slots__ = ("reduction",)
+
+    def __init__(self, reduction: Any) -> None:
+        self.reduction = reduction
+
+    def __reduce__(self) -> Any:
+        return self.reduction
 
 
 class FunctionRef:
@@ -230,12 +234,11 @@ def dumps(obj: Any) -> list[bytes | memoryview]:
         buffers.append(raw)
         return False
 
-    f = io.BytesIO()
     torch = sys.modules.get("torch")
     if torch is not None and type(obj) is torch.Tensor:
-        _TensorPickler(f, protocol=5, buffer_callback=keep).dump(obj)
-    else:
-        _Pickler(f, protocol=5, buffer_callback=keep).dump(obj)
+        return [pickle.dumps(_Reduced(_reduce_tensor(obj)), protocol=5, buffer_callback=keep), *buffers]
+    f = io.BytesIO()
+    _Pickler(f, protocol=5, buffer_callback=keep).dump(obj)
     return [f.getvalue(), *buffers]
 
 

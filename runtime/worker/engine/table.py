@@ -120,7 +120,10 @@ def fetch(ref_id: int) -> torch.Tensor:
     if v is None:
         raise KeyError(f"tensor {ref_id} is not on this worker (freed, or made on another mesh)")
     if isinstance(v, torch.Tensor):
-        v = v.detach().cpu()
+        if v.requires_grad:  # (each op through torch's dispatcher costs a worker just woken several µs)
+            v = v.detach()
+        if not v.is_cpu:
+            v = v.cpu()
         if v.untyped_storage().nbytes() > v.nbytes:  # a view: send its elements, not the whole storage
             v = v.clone()
     return v
