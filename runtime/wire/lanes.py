@@ -217,11 +217,13 @@ class LaneClient:
         """The next message's frames (blocks); None once the controller closed the lane (or its bytes frame
         no message: a bug of ours; the lane is useless then)."""
         taken, self._next = self._next, None
+        reader = self.reader
         try:
             while taken is None:
-                taken = self.reader.next()
-                if taken is not None:
-                    break
+                if reader.end != reader.start:  # (nothing read yet, the common case: straight to the read)
+                    taken = reader.next()
+                    if taken is not None:
+                        break
                 if not self._fill():
                     return None
         except CorruptLane:
@@ -246,7 +248,8 @@ class LaneClient:
                 n = None
             finally:
                 self._reading = None
-            self._raise_deferred()  # (what was read stays in the reader)
+            if self._deferred:  # (`_raise_deferred`; what was read stays in the reader)
+                self._raise_deferred()
             if n is not None:
                 if spin:
                     self._quick = time.perf_counter() - began <= spin
@@ -256,6 +259,7 @@ class LaneClient:
         """Write one message whole (any thread; the caller orders messages). A lane the controller closed
         drops what is sent (the worker exits with its controller)."""
         parts = pack(frames)
+        left = len(parts[0]) if len(parts) == 1 and type(parts[0]) is bytes else size(parts)
         with self.lock:
             self._writing = threading.get_ident()
             try:
@@ -267,10 +271,14 @@ class LaneClient:
                             raise
                         self.broken = True
                         break
+                    if n == left:  # (the common case: all of it in one write)
+                        break
+                    left -= n
                     parts = _advance(parts, n)
             finally:
                 self._writing = None
-        self._raise_deferred()
+        if self._deferred:
+            self._raise_deferred()
 
     def close(self) -> None:
         self.sock.close()
