@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import itertools
+import logging
 import sys
 import threading
 import time
@@ -49,6 +50,7 @@ seconds apart, before a picture that stayed the same is reported."""
 HANG_EVERY = 0.5
 
 _log = log.get("controller")
+DEBUG = logging.DEBUG
 
 
 STOPPED_BY_USER = "(mesh.exit(), %mesh restart or %mesh shutdown)"
@@ -207,7 +209,8 @@ class Controller:
         else:
             message, body = message_for(call_id)
             self.send(mesh, ranks, message, body)
-            _log.debug("call %d (%s) sent to %d ranks of mesh %d", call_id, name, len(ranks), mesh.mesh_id)
+            if _log.isEnabledFor(DEBUG):  # (per call: one call, not `debug`'s two)
+                _log.debug("call %d (%s) sent to %d ranks of mesh %d", call_id, name, len(ranks), mesh.mesh_id)
         if self.listeners:
             self.changed(mesh)
         return pending
@@ -272,7 +275,8 @@ class Controller:
         broken (and the failed rank's, whose peers shut their connections): re-form them before anything
         else runs on the mesh."""
         mesh = pending.mesh
-        _log.debug("call %d done in %.3f s", pending.call_id, time.monotonic() - pending.started)
+        if _log.isEnabledFor(DEBUG):
+            _log.debug("call %d done in %.3f s", pending.call_id, time.monotonic() - pending.started)
         if pending.released and mesh.state == "running":
             mesh.generation += 1
             _log.info("mesh %d: re-forming its groups (generation %d) after a release", mesh.mesh_id, mesh.generation)

@@ -83,8 +83,9 @@ def _function_fp(fn: types.FunctionType, root: types.FunctionType, depth: int) -
         raise _Uncacheable
     code = fn.__code__
     glb = fn.__globals__
-    fp: list[Any] = [_Same(code), fn.__name__, fn.__qualname__, fn.__module__, fn.__doc__]
-    fp += (repr(glb.get(k)) for k in ("__package__", "__name__", "__path__", "__file__"))  # cloudpickle ships these
+    get = glb.get  # cloudpickle ships these four (repr: a snapshot of a package's `__path__` list)
+    fp: list[Any] = [_Same(code), fn.__name__, fn.__qualname__, fn.__module__, fn.__doc__, repr(get("__package__"))]
+    fp += (repr(get("__name__")), repr(get("__path__")), repr(get("__file__")))  # (no generator: checked per call)
     modules = False
     for name in _extract_code_globals(code):  # cached by cloudpickle, same order every time
         if name in glb:

@@ -208,14 +208,14 @@ def _plain(obj: Any, depth: int = 0) -> bool:
         if len(obj) > 16:
             return False
         for o in obj:
-            if not _plain(o, depth + 1):
+            if type(o) not in _SCALARS and not _plain(o, depth + 1):  # (a scalar: no call)
                 return False
         return True
     if t is dict:
         if len(obj) > 16:
             return False
         for k, v in obj.items():
-            if type(k) is not str or not _plain(v, depth + 1):
+            if type(k) is not str or (type(v) not in _SCALARS and not _plain(v, depth + 1)):
                 return False
         return True
     return False
