@@ -180,10 +180,19 @@ def measure(python: str, code: str, env: dict | None = None) -> dict | None:
     return json.loads(lines[-1])
 
 
-def abba(now: Callable[[], dict | None], before: Callable[[], dict | None]) -> tuple[dict | None, dict | None]:
+def abba(
+    now: Callable[[], dict | None], before: Callable[[], dict | None], warm_up: bool = False
+) -> tuple[dict | None, dict | None]:
     """Measure this tree and the earlier one in the order now, before, before, now, and average each side: run in
     one fixed order, the side measured first read slower on this VM's one-time figures (cold caches; an
-    interleaved A/B of the same code showed no difference)."""
+    interleaved A/B of the same code showed no difference).
+
+    `warm_up`: one run of `before` first, not counted, for one-time figures (a cold spawn, the first op): even in
+    this order the very first run is the cold one, and it is always `now`'s. The same tree on both sides, this
+    harness's ABBA of tensor_engine's script: the first side read 0.98, 0.94, 0.995x the other with no warm-up,
+    0.98, 1.10, 1.05x after one (eleventh session, `benchmarks/RESULTS.md`)."""
+    if warm_up:
+        before()
     a1 = now()
     b1, b2 = before(), before()
     a2 = now()
@@ -296,7 +305,9 @@ def main() -> None:
     print(floor.describe(floors))
     if before:
         now, earlier = abba(
-            lambda: measure(sys.executable, MONARCH), lambda: measure(sys.executable, MONARCH, before_env(before))
+            lambda: measure(sys.executable, MONARCH),
+            lambda: measure(sys.executable, MONARCH, before_env(before)),
+            warm_up=True,
         )
         results = {"monarch": now, "monarch before": earlier}
     else:
