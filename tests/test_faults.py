@@ -407,9 +407,8 @@ def test_ctrl_c_while_a_call_starts_interrupts_it_on_the_workers(tmp_path):
         if threading.current_thread() is threading.main_thread() and armed.is_set() and mesh_busy():
             armed.clear()
             presses.append(1)
-            os.kill(os.getpid(), signal.SIGINT)
-            threading.Thread(target=time.sleep, args=(0.01,)).start()  # an untimed wait, where Ctrl-C lands
-            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGINT)  # (delivered before kill() returns; its handler runs at the next call)
+            threading.Thread(target=lambda: None).start()  # an untimed wait for the thread to run, where Ctrl-C lands
 
     def mesh_busy() -> bool:
         return any(s == "busy" for s in mesh.status())
