@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from monarch.runtime.mesh import ProcMesh
@@ -183,16 +183,21 @@ def reserve(
     timeout: float | None = None,
     echo: Callable[[str], None] | None = None,
     interface: str | None = None,
+    sbatch: Sequence[str] = (),
 ) -> Job:
     """Submit a job of `hosts` nodes, one agent each; wait (with no limit unless `timeout`) until every agent
     is up, saying what the queue does meanwhile; Ctrl-C cancels the request. `interface`: the network
     interface every agent listens on and gives its workers' gloo/NCCL (default: each host's first one up
-    that is not loopback)."""
+    that is not loopback). `sbatch`: more options for the batch script, one ``#SBATCH`` line each (e.g.
+    ``["--exclusive", "--mem=64G"]``)."""
     echo = echo or (lambda line: print(line, file=sys.stderr, flush=True))
     if not isinstance(hosts, int) or hosts < 1:
         raise ValueError(f"hosts must be a positive integer, got {hosts!r}")
     if not isinstance(gpus_per_host, int) or gpus_per_host < 0:
         raise ValueError(f"gpus_per_host must be an integer >= 0, got {gpus_per_host!r}")
+    bad = [o for o in sbatch if not isinstance(o, str) or not o.startswith("-") or not o.isprintable()]
+    if isinstance(sbatch, str) or bad:
+        raise ValueError(f"sbatch options must be a list of options such as '--mem=64G', got {sbatch!r}")
     name = name or f"monarch-{os.urandom(3).hex()}"
     if not _NAME.match(name):
         raise ValueError(
@@ -207,7 +212,7 @@ def reserve(
     jd = JobDir.named(name)
     meta = {
         "name": name, "hosts": hosts, "gpus_per_host": gpus_per_host, "partition": part, "time": time_limit,
-        "interface": interface,
+        "interface": interface, "sbatch": list(sbatch),
         "workspace": os.path.abspath(workspace) if workspace else None, "python": sys.executable,
         "created": time.time(), "slurm_id": None,
     }  # fmt: skip
@@ -249,6 +254,7 @@ def _script(jd: JobDir, meta: dict, gpus: int) -> str:
         lines.append(f"#SBATCH --time={meta['time']}")
     if gpus:
         lines.append(f"#SBATCH --gpus-per-node={gpus}")
+    lines += [f"#SBATCH {option}" for option in meta.get("sbatch") or ()]
     agent = [sys.executable, "-m", "monarch.runtime.agent", "--job-dir", str(jd.path)]
     if meta["workspace"]:
         agent += ["--workspace", "auto"]

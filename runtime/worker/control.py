@@ -35,6 +35,10 @@ _log = log.get("worker")
 _REQUEST = struct.Struct("<qqq")
 _RUNTIME = os.path.dirname(os.path.dirname(__file__))
 _WRAPPERS = {"wrapper", "inner", "_fn", "decorated"}
+anywhere: tuple[int, str] | None = None
+"""(call id, what it runs) of a call whose every wait is on its peers, wherever its main thread is (a torchrun
+script run by `SPMDActor.main`: DDP waits in C++, with no torch.distributed frame on the stack): asked to
+RELEASE, it is released from wherever it is, as torchrun ends every rank when one fails."""
 
 
 def block_signal() -> None:
@@ -84,6 +88,8 @@ class Control:
         if call_id and w.call_id != call_id:
             return  # that call is over here (the request crossed its reply)
         collective, where = describe(sys._current_frames().get(self.main))
+        if kind == protocol.Control.RELEASE and not collective and anywhere is not None and anywhere[0] == call_id:
+            collective = anywhere[1]
         if kind == protocol.Control.RELEASE and collective and w.released is None and groups.current is not None:
             self._release(call_id, collective, where)
         else:
@@ -105,6 +111,8 @@ class Control:
         from monarch.runtime.worker import groups
 
         collective, where = describe_traceback(error.__traceback__)
+        if not collective and anywhere is not None and anywhere[0] == call_id:
+            collective = anywhere[1]
         if not collective or self.worker.released is not None or groups.current is None:
             return False
         deadline = time.monotonic() + wait
