@@ -11,7 +11,8 @@ import sys
 USAGE = """usage: monarch <command> [options]
 
 commands:
-  debug [--pid PID]   attach to a script whose workers wait in pdb (breakpoint()); see 'monarch debug --help'"""
+  debug [--pid PID]   attach to a script whose workers wait in pdb (at a breakpoint(), or post-mortem after an
+                      error their debugged code raised); see 'monarch debug --help'"""
 
 
 def main(argv: list[str] | None = None) -> int:

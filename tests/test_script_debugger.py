@@ -19,7 +19,7 @@ import time
 import pexpect
 import pytest
 
-from conftest import REPO, wait_gone
+from conftest import REPO, wait_for, wait_gone
 
 PROMPT = "monarch_dbg> "
 
@@ -40,7 +40,7 @@ def work():
 
 mesh = this_host().spawn_procs({"gpu": NGPU})
 print("PIDS", " ".join(str(row["pid"]) for row in mesh.to_table().rows), flush=True)
-print("RESULT", list(work.on(mesh)()), flush=True)
+print("RESULT", work.on(mesh)().values(), flush=True)
 mesh.exit()
 """
 
@@ -151,7 +151,7 @@ def test_a_script_paused_on_ranks_1_and_3_is_listed_attached_cast_to_and_continu
 
         # list: rank, coordinates, where, prompt
         listed = _say(client, "list")
-        rows = re.findall(r"^(\d+)\s+(gpu=\d)\s+(script\.py:\d+)\s+\(Pdb\)\s*$", listed, re.M)
+        rows = re.findall(r"^(\d+)\s+(gpu=\d)\s+work\s+(script\.py:\d+)\s+\(Pdb\)\s*$", listed, re.M)
         assert [(r, c) for r, c, _ in rows] == [("1", "gpu=1"), ("3", "gpu=3")], listed
 
         # attach to rank 1: its pdb answers, with its own value; detach comes back
@@ -200,23 +200,29 @@ def test_mistakes_get_a_clear_message_and_a_client_that_leaves_leaves_the_ranks_
         client.expect_exact(PROMPT)
         paused = r"paused: 1 \(gpu=1\)"
         for line, message in [
-            ("frobnicate", r"unknown command 'frobnicate'; commands: list, attach <rank>, cast <ranks> <pdb command>, continue, help, quit"),
+            ("frobnicate", r"unknown command 'frobnicate'; commands: list, attach \[<actor>\] <rank>, cast \[<actor>\] <ranks> <pdb command>, continue, help, quit"),
             ("p x", r"unknown command 'p'.*\(pdb commands go to a rank: attach <rank>, or cast <ranks> <command>\)"),
             ("attach 0", r"rank 0 is not paused; " + paused),
-            ("attach one", r"attach takes a rank number, e.g. attach 1; " + paused),
-            ("attach", r"attach takes one rank: attach <rank> \[mesh=<id>\]; " + paused),
-            ("cast 1 p x", r"cast needs ranks\(...\) or \* and then a pdb command; e.g. cast ranks\(1,3\) p x"),
+            ("attach one", r"attach takes a rank number, e.g. attach 1 or attach <actor> 1; " + paused),
+            ("attach", r"attach takes one rank: attach <rank> or attach <actor> <rank> \[mesh=<id>\]; " + paused),
+            ("attach work 1 2", r"attach takes one rank: attach <rank> or attach <actor> <rank>"),
+            ("attach nobody 1", r"no paused rank runs actor 'nobody'; the paused ranks run: work"),
+            ("cast 1 p x", r"cast needs ranks\(...\) or \* \(after the actor's name, if any\), then a pdb command; e.g. cast ranks\(1,3\) p x"),
+            ("cast nobody ranks(1) p x", r"no paused rank runs actor 'nobody'"),
             ("cast ranks(1)", r"cast needs a pdb command after ranks\(1\)"),
             ("cast ranks(1 p x", r"ranks\( has no closing \)"),
             ("cast ranks(0) p x", r"rank 0 is not paused; " + paused),
             ("cast ranks(gpu=5:9) p x", r"no paused rank matches ranks\(gpu=5:9\); " + paused),
             ("cast ranks(host=0) p x", r"ranks\(host=0\): no dimension host; the mesh has gpu"),
-            ("cast ranks(a:b) p x", r"ranks\(a:b\): 'a:b' is not a number or a range a:b"),
+            ("cast ranks(a:b) p x", r"ranks\(a:b\): 'a:b' is not a number or a range a:b or a:b:step"),
+            ("cast ranks(0:4:0) p x", r"ranks\(0:4:0\): '0:4:0' has step 0; a step is 1 or more"),
+            ("cast ranks(gpu=(1,3) p x", r"ranks\( has no closing \)"),
+            ("cast ranks(gpu=()) p x", r"ranks\(gpu=\(\)\): \(\) lists no value"),
             ("detach", r"not attached to a rank; attach <rank> first"),
         ]:  # fmt: skip
             out = _say(client, line, message)
             assert "Traceback" not in out, out
-        assert "attach <rank> [mesh=<id>]" in _say(client, "help")
+        assert "attach (a) [<actor>] <rank>" in _say(client, "help")
 
         # a second client while one is attached is turned away, saying why
         second = _client(run_dir)
@@ -275,6 +281,12 @@ def test_the_client_with_no_paused_script_says_so_and_exits_1(run_dir):
         [sys.executable, "-m", "monarch", "debug", "--pid", "1"], capture_output=True, text=True, env=_env(run_dir)
     )
     assert out.returncode == 1 and "no monarch script with pid 1 waits for a debugger" in out.stderr, out.stderr
+    # Monarch's --host/--port (its TCP server) are refused, saying what to type instead
+    out = subprocess.run(
+        [sys.executable, "-m", "monarch", "debug", "--port", "27000"], capture_output=True, text=True, env=_env(run_dir)
+    )
+    assert out.returncode == 2 and "--host and --port name Monarch's TCP debug server" in out.stderr, out.stderr
+    assert "type 'monarch debug' (with --pid PID when several scripts wait)" in out.stderr
     # a socket left by a script that was killed is removed, and does not count
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = os.path.join(run_dir, "monarch", f"debug-{gone.stdout.strip()}.sock")
@@ -327,7 +339,7 @@ def work():
 
 mesh = this_host().spawn_procs({"gpu": 2})
 print("PIDS", " ".join(str(row["pid"]) for row in mesh.to_table().rows), flush=True)
-print("RESULT", list(work.on(mesh)()), flush=True)
+print("RESULT", work.on(mesh)().values(), flush=True)
 mesh.exit()
 """
 
@@ -394,7 +406,7 @@ except BaseException as e:
     print("INTERRUPTED", type(e).__name__, flush=True)
 while not os.path.exists(sys.argv[1] + ".go-on"):
     time.sleep(0.02)
-print("AGAIN", list(work.on(mesh)(False)), flush=True)
+print("AGAIN", work.on(mesh)(False).values(), flush=True)
 mesh.exit()
 """
 
@@ -425,4 +437,230 @@ def test_a_rank_whose_call_is_interrupted_drops_out_while_a_client_is_attached(t
         client.expect(pexpect.EOF)
     finally:
         script.finish(10)
+    assert wait_gone(pids) == []
+
+
+GUIDE_SCRIPT = """
+import monarch
+from monarch.actor import Actor, current_rank, endpoint, this_host
+
+
+def _bad_rank():
+    raise ValueError("bad rank")
+
+
+def _debugee_actor_internal(rank):
+    if rank % 4 == 0:
+        rank += 1
+        return rank
+    elif rank % 4 == 1:
+        rank += 2
+        return rank
+    elif rank % 4 == 2:
+        rank += 3
+        _bad_rank()
+    elif rank % 4 == 3:
+        rank += 4
+        return rank
+
+
+class DebugeeActor(Actor):
+    @endpoint
+    def to_debug(self):
+        rank = current_rank().rank
+        breakpoint()  # noqa
+        return _debugee_actor_internal(rank)
+
+    @endpoint
+    def fail(self):
+        raise RuntimeError("failed with no breakpoint")
+
+
+@monarch.remote
+def checked(n):
+    seen = n * 2
+    breakpoint()
+    raise KeyError(seen)
+
+
+if __name__ == "__main__":
+    process_mesh = this_host().spawn_procs(per_host={"gpu": 4})
+    print("PIDS", " ".join(str(row["pid"]) for row in process_mesh.to_table().rows), flush=True)
+    debugee_mesh = process_mesh.spawn("debugee", DebugeeActor)
+    try:
+        print("RESULT", debugee_mesh.to_debug.call().get(), flush=True)
+    except Exception as e:
+        print("FAILED", e, flush=True)
+    try:
+        checked.on(process_mesh.slice(gpu=1))(21)
+    except Exception as e:
+        print("FAILED AGAIN", e, flush=True)
+    try:
+        debugee_mesh.fail.call().get()
+    except Exception as e:
+        print("FAILED THIRD", e, flush=True)
+    process_mesh.exit()
+"""
+
+
+def _line_of(source: str, text: str) -> int:
+    """The line number of `text` in `source` as a script file (its first line is 1)."""
+    return next(i for i, line in enumerate(source.splitlines(), 1) if text in line)
+
+
+@pytest.mark.timeout(90)
+def test_monarchs_guide_the_failing_rank_stops_post_mortem_where_it_raised(tmp_path, run_dir):
+    """Monarch's debugging guide on 4 ranks: every rank stops at its breakpoint; Monarch's commands list, attach
+    and cast to them by actor name and rank ranges; after `continue` (which clears breakpoints set with `b`), the
+    rank whose endpoint raises stops again, post-mortem at the raising line, and is listed so; `where`, `p`,
+    `up` work there; continuing it lets the error reach the caller. A live function does the same (and `q`
+    there lets the error go on too); a later call that raises with no breakpoint does not stop."""
+    path = tmp_path / "script.py"
+    path.write_text(GUIDE_SCRIPT)
+    at_breakpoint = f"script.py:{_line_of(GUIDE_SCRIPT, 'return _debugee_actor_internal(rank)')}"  # (after it)
+    raised = f"script.py:{_line_of(GUIDE_SCRIPT, 'raise ValueError')}"
+    script = Script(path, _env(run_dir))
+    pids = script.worker_pids()
+    client = None
+    try:
+        wait_for(lambda: script.out["stderr"].count("paused in pdb") == 4, what="4 ranks paused")
+        client = _client(run_dir)
+        client.expect(r"connected to .*script\.py \(pid \d+\): 4 ranks paused in pdb")
+        client.expect_exact(PROMPT)
+        listed = _say(client, "list")
+        rows = re.findall(r"^(\d)\s+gpu=\1\s+debugee\.to_debug\s+(\S+)\s+\(Pdb\)\s*$", listed, re.M)
+        assert rows == [(str(r), at_breakpoint) for r in range(4)], listed
+
+        # Monarch's forms: cast <actor> ranks(start:stop:step), ranks(dim=(a,b)); attach <actor> <rank>
+        out = _say(client, "cast debugee ranks(0:4:2) p rank + 100")
+        assert "[gpu=0] 100" in out and "[gpu=2] 102" in out and "gpu=1" not in out and "gpu=3" not in out, out
+        out = _say(client, "cast debugee ranks(gpu=(1,3)) p rank * 10")
+        assert "[gpu=1] 10" in out and "[gpu=3] 30" in out and "gpu=0" not in out, out
+        _say(client, "cast ranks(0) b _debugee_actor_internal", r"\[gpu=0\] Breakpoint 1 at .*script\.py:\d+")
+        client.sendline("a debugee 1")
+        client.expect(rf"attached to rank 1 \(gpu=1\), paused at {re.escape(at_breakpoint)};")
+        client.expect_exact("[gpu=1] (Pdb) ")
+        client.sendline("rank")
+        client.expect(r"\r\n1\r\n")
+        client.expect_exact("[gpu=1] (Pdb) ")
+        _say(client, "detach")
+
+        # continue: every rank goes on (rank 0's breakpoint cleared); rank 2 raises and stops post-mortem
+        _say(client, "continue", r"continued: rank 0 \(gpu=0\), rank 1 \(gpu=1\), rank 2 \(gpu=2\), rank 3 \(gpu=3\)")
+        note = "(post-mortem: ValueError: bad rank)"
+        script.wait_for("stderr", rf"rank 2 \(gpu=2\) paused in pdb at {re.escape(raised)} {re.escape(note)}")
+        listed = _say(client, "l")
+        rows = re.findall(r"^(\d+)\s+(gpu=\d)\s+(\S+)\s+(.+?)\s+\(Pdb\)\s*$", listed, re.M)
+        assert rows == [("2", "gpu=2", "debugee.to_debug", f"{raised} {note}")], listed
+        client.sendline("attach debugee 2")
+        client.expect(rf"attached to rank 2 \(gpu=2\), paused at {re.escape(raised)} {re.escape(note)}")
+        client.expect_exact("[gpu=2] (Pdb) ")
+        client.sendline("where")
+        client.expect(r"script\.py\(\d+\)to_debug\(\)\r\n-> return _debugee_actor_internal\(rank\)")
+        client.expect(r"> .*script\.py\(\d+\)_bad_rank\(\)\r\n-> raise ValueError\(\"bad rank\"\)")
+        client.expect_exact("[gpu=2] (Pdb) ")
+        client.sendline("p rank")
+        client.expect(r"NameError: name 'rank' is not defined")  # (_bad_rank has none)
+        client.expect_exact("[gpu=2] (Pdb) ")
+        client.sendline("up")
+        client.expect(r"_debugee_actor_internal\(\)\r\n-> _bad_rank\(\)")
+        client.expect_exact("[gpu=2] (Pdb) ")
+        client.sendline("p rank")
+        client.expect(r"\r\n5\r\n")  # 2 + 3
+        client.expect_exact("[gpu=2] (Pdb) ")
+        client.sendline("c")
+        client.expect(r"rank 2 \(gpu=2\) continued: it is no longer paused; its error goes on to the caller")
+        client.expect_exact(PROMPT)
+        failed = script.wait_for(
+            "stdout",
+            r"FAILED debugee\.to_debug failed on 1 of 4 ranks[^\n]*\n(?:.*\n)*?"
+            r".*-- rank 2 \(gpu=2\): ValueError: bad rank",
+        )
+        assert "RESULT" not in script.out["stdout"] and failed
+
+        # a live function, debugged, that raises: post-mortem too; `q` there lets its error go on
+        checked = f"script.py:{_line_of(GUIDE_SCRIPT, 'raise KeyError(seen)')}"
+        script.wait_for("stderr", rf"rank 1 \(gpu=1\) paused in pdb at {re.escape(checked)}\n")
+        assert re.search(rf"^1\s+gpu=1\s+checked\s+{re.escape(checked)}\s+\(Pdb\)\s*$", _say(client, "list"), re.M)
+        client.sendline("attach checked 1")
+        client.expect_exact("[gpu=1] (Pdb) ")
+        client.sendline("c")
+        client.expect(r"rank 1 \(gpu=1\) continued: it is no longer paused\r\n")
+        client.expect_exact(PROMPT)
+        script.wait_for(
+            "stderr", rf"rank 1 \(gpu=1\) paused in pdb at {re.escape(checked)} \(post-mortem: KeyError: 42\)"
+        )
+        client.sendline("attach 1")
+        client.expect_exact("[gpu=1] (Pdb) ")
+        client.sendline("p seen")
+        client.expect(r"\r\n42\r\n")
+        client.expect_exact("[gpu=1] (Pdb) ")
+        client.sendline("q")
+        client.expect(r"rank 1 \(gpu=1\) quit pdb: it is no longer paused; its error goes on to the caller")
+        client.expect_exact(PROMPT)
+        script.wait_for("stdout", r"FAILED AGAIN checked failed on 1 of 1 rank[^\n]*\n(?:.*\n)*?.*KeyError: 42")
+
+        # a later call raising with no breakpoint is not held: the script ends with its error
+        assert script.finish() == 0, script.out["stderr"]
+        assert re.search(r"FAILED THIRD debugee\.fail failed on 4 of 4 ranks", script.out["stdout"]), script.out
+        assert script.out["stderr"].count("paused in pdb") == 7, script.out["stderr"]  # 5 breakpoints, 2 post-mortems
+        assert script.out["stderr"].count("post-mortem") == 2, script.out["stderr"]
+        client.sendline("list")
+        client.expect(pexpect.EOF)
+    finally:
+        if client is not None:
+            client.close(force=True)
+        if script.proc.poll() is None:  # (a failed test: its script may still wait)
+            script.proc.kill()
+        script.finish(10)
+    assert wait_gone(pids) == []
+
+
+NO_DEBUGGER_SCRIPT = """
+import monarch
+from monarch.actor import Actor, current_rank, endpoint, this_host
+
+
+class Failing(Actor):
+    @endpoint
+    def boom(self):
+        raise ValueError(f"boom on {current_rank()['gpu']}")
+
+
+@monarch.remote
+def broken():
+    raise KeyError("broken")
+
+
+mesh = this_host().spawn_procs({"gpu": 2})
+print("PIDS", " ".join(str(row["pid"]) for row in mesh.to_table().rows), flush=True)
+try:
+    mesh.spawn("failing", Failing).boom.call().get()
+except Exception as e:
+    print("FAILED", e, flush=True)
+try:
+    broken.on(mesh)()
+except Exception as e:
+    print("FAILED AGAIN", e, flush=True)
+mesh.exit()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_script_that_never_stopped_in_pdb_is_not_held_when_an_endpoint_raises(tmp_path, run_dir):
+    """No breakpoint, no debugger: an endpoint's error and a live function's go straight to the caller (no
+    post-mortem pause, no debugger started), as they always did."""
+    path = tmp_path / "script.py"
+    path.write_text(NO_DEBUGGER_SCRIPT)
+    script = Script(path, _env(run_dir))
+    pids = script.worker_pids()
+    try:
+        assert script.finish(30) == 0, script.out["stderr"]
+    finally:
+        script.finish(10)
+    out, err = script.out["stdout"], script.out["stderr"]
+    assert re.search(r"FAILED failing\.boom failed on 2 of 2 ranks", out) and "ValueError: boom on" in out, out
+    assert "FAILED AGAIN broken failed on 2 of 2 ranks" in out and "KeyError: 'broken'" in out, out
+    assert "pdb" not in err and "post-mortem" not in out + err, err
+    assert not os.path.exists(os.path.join(run_dir, "monarch"))  # the debugger never started
     assert wait_gone(pids) == []

@@ -4,9 +4,10 @@ A terminal can serve one prompt at a time, and a script's terminal is busy with 
 so in a script (when `StdinService.prompt` is still the terminal) a worker's pdb prompt is handed to this
 server instead. It starts when the first rank pauses: it listens on a Unix socket in a private directory
 (`wire/debug.py`), says once on stderr how to attach, and serves one client at a time from its own thread.
-The client lists the paused ranks, sends a pdb command to one or several of them, and sees their output
-(the terminal keeps getting all output too: the server taps the receiver's output delivery) until each
-rank is paused again, or runs on (`c`, or its call ended). The Jupyter kernel keeps its in-notebook pdb:
+The client lists the paused ranks (with the call each serves, and those stopped post-mortem, after an error,
+marked so), sends a pdb command to one or several of them, and sees their output (the terminal keeps getting
+all output too: the server taps the receiver's output delivery) until each rank is paused again, or runs on
+(`c`, or its call ended). The Jupyter kernel keeps its in-notebook pdb:
 it replaces `StdinService.prompt`, and nothing comes here.
 
 A paused rank is an `InputRequest`; it drops out of the list when its call ended on that rank (an
@@ -196,7 +197,22 @@ class DebugServer:
                 if self._still_paused(req) is not None:
                     del self.paused[key]
             reqs = sorted(self.paused.values(), key=lambda r: (r.mesh.mesh_id, r.rank))
-        return [_describe(r) for r in reqs]
+        return [self._describe(r) for r in reqs]
+
+    def _describe(self, req: InputRequest) -> dict[str, Any]:
+        """One paused rank as the client lists it: its mesh, rank, coordinates, host, the controller's call it
+        serves (``debugee.to_debug``, a live function's name; for an actor called by an actor, the call that
+        started it all), the actors living on it (`attach <actor> <rank>` names one), where it is paused, its
+        prompt."""
+        pending = self.controller.calls.get(req.call_id) if req.call_id is not None else None
+        info = req.mesh.info[req.rank] if req.rank < len(req.mesh.info) else {}
+        actors = sorted(name for name, (_, ranks) in list(req.mesh.actors.items()) if req.rank in ranks)
+        return {
+            **_entry(req),
+            "call": pending.name if pending is not None else "",
+            "actors": actors,
+            "host": str(info.get("host", "")),
+        }
 
     # -- the server's thread -----------------------------------------------------------------------
     def _serve(self) -> None:
@@ -271,7 +287,7 @@ class DebugServer:
         """Send `line` to each paused rank of `keys`; stream their output to the client until each is paused
         again or runs on (the client can stop waiting). Ranks are answered all at once: a command such as
         `n` over a collective only returns when every rank involved has stepped."""
-        resume = line.strip().split(" ")[0] in RESUME_COMMANDS
+        resume = line.strip().split(" ")[0] in RESUME_COMMANDS | {debugwire.CONTINUE_LINE}
         refused: list[str] = []
         with self._cond:
             reqs: dict[Key, InputRequest] = {}
@@ -332,7 +348,7 @@ class DebugServer:
         for key, req in waiting.items():
             again = self.paused.get(key)
             if again is not None:
-                settled.append((key, _paused_again(again)))
+                settled.append((key, {"ev": "paused", **self._describe(again)}))
             elif (why := self._still_paused(req)) is not None:
                 settled.append((key, _running(req, why)))
         return settled
@@ -381,7 +397,7 @@ def _keys(targets: Any) -> list[Key] | None:
     return keys
 
 
-def _describe(req: InputRequest) -> dict[str, Any]:
+def _entry(req: InputRequest) -> dict[str, Any]:
     coords = {}
     for part in req.label.split(","):
         name, _, value = part.partition("=")
@@ -392,12 +408,9 @@ def _describe(req: InputRequest) -> dict[str, Any]:
         "label": req.label,
         "coords": coords,
         "where": req.where,
+        "post_mortem": debugwire.is_post_mortem(req.where),
         "prompt": req.prompt,
     }
-
-
-def _paused_again(req: InputRequest) -> dict[str, Any]:
-    return {"ev": "paused", **_describe(req)}
 
 
 def _running(req: InputRequest, why: str) -> dict[str, Any]:

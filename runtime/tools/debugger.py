@@ -1,12 +1,14 @@
 """`monarch debug` (or `python -m monarch debug`): the terminal client of a script's debugger.
 
 A script whose workers hit `breakpoint()` keeps their pdb prompts for this client
-(`controller/debugger.py`). It finds the script's socket (`wire/debug.py`), then reads commands at a
-``monarch_dbg>`` prompt: `list` the paused ranks, `attach` to one (each line typed goes to its pdb, its
-answer and next prompt come back, `detach` returns), `cast` one pdb command to several ranks (each
-rank's output labelled), `continue` them all. Leaving (`quit`, end of input) lets go of the script: its
-ranks stay paused for the next client. Mistakes get a message that says what is allowed, never a
-traceback. Nothing here imports torch or zmq: the client starts in a blink.
+(`controller/debugger.py`); so does a rank whose code, debugged, then raised (pdb post-mortem). It finds
+the script's socket (`wire/debug.py`), then reads commands at a ``monarch_dbg>`` prompt, Monarch's
+commands in Monarch's forms (``attach debugee 13``, ``cast debugee ranks(2:7:2) s``) and shorter ones:
+`list` the paused ranks, `attach` to one (each line typed goes to its pdb, its answer and next prompt
+come back, `detach` returns), `cast` one pdb command to several ranks (each rank's output labelled),
+`continue` them all. Leaving (`quit`, end of input) lets go of the script: its ranks stay paused for the
+next client. Mistakes get a message that says what is allowed, never a traceback. Nothing here imports
+torch or zmq: the client starts in a blink.
 """
 
 from __future__ import annotations
@@ -21,17 +23,22 @@ from typing import Any
 from monarch.runtime.wire import debug as debugwire
 
 PROMPT = "monarch_dbg> "
-COMMANDS = "list, attach <rank>, cast <ranks> <pdb command>, continue, help, quit"
+COMMANDS = "list, attach [<actor>] <rank>, cast [<actor>] <ranks> <pdb command>, continue, help, quit"
 HELP = f"""\
-commands:
-  list                          the paused ranks: rank, coordinates, where each is paused, its prompt
-  attach <rank> [mesh=<id>]     talk to one rank's pdb; 'detach' (or Ctrl-D) comes back here
-  cast <ranks> <pdb command>    send one pdb command to several paused ranks and show their output
-                                <ranks>: ranks(1,3)  ranks(1:3)  ranks(gpu=0:2)  ranks(host=0,gpu=1)  *
-                                (a:b is a range without b, as in Python)
-  continue                      send 'c' to every paused rank
-  help                          this text
-  quit                          leave; paused ranks stay paused for the next client
+commands (Monarch's, with their short forms):
+  list (l)                          the paused ranks: rank, coordinates, the call each runs, where each is
+                                    paused (a post-mortem, after an error, says so), its prompt
+  attach (a) [<actor>] <rank>       talk to one rank's pdb, e.g. attach debugee 13 or attach 13;
+                                    'detach' (or Ctrl-D) comes back here; [mesh=<id>] when two meshes have it
+  cast [<actor>] <ranks> <pdb cmd>  send one pdb command to several paused ranks and show their output, e.g.
+                                    cast debugee ranks(0,1) n      cast ranks(2:7:2) s      cast * p x
+                                    <ranks>: ranks(3)  ranks(1,3)  ranks(1:3)  ranks(2:7:2)  ranks(gpu=0:2)
+                                    ranks(host=2:4, gpu=1:3)  ranks(gpu=(1,3))  *   (a:b leaves b out, as
+                                    in Python)
+  continue (c)                      clear every breakpoint set with 'b' and continue every paused rank (a
+                                    post-mortem's error then goes on to the caller)
+  help (h)                          this text
+  quit (q)                          leave; paused ranks stay paused for the next client
 (commands: {COMMANDS})"""
 
 
@@ -84,46 +91,95 @@ class Connection:
 
 
 # -- choosing ranks ------------------------------------------------------------------------------------
-def _span(text: str, what: str) -> tuple[int, int | None]:
-    """``"3"`` -> (3, 4); ``"1:3"`` -> (1, 3); ``"2:"`` -> (2, None); ``":2"`` -> (0, 2)."""
+Span = tuple[int, int | None, int]
+"""Ranks or coordinates from `start` up to `stop` (left out; None: no end), every `step`."""
+
+
+def _span(text: str, what: str) -> Span:
+    """``"3"`` -> (3, 4, 1); ``"1:3"`` -> (1, 3, 1); ``"2:"`` -> (2, None, 1); ``":2"`` -> (0, 2, 1);
+    ``"2:7:2"`` -> (2, 7, 2), as Python slices them."""
+    text = text.strip()
     try:
         if ":" not in text:
             n = int(text)
-            return n, n + 1
-        lo, hi = text.split(":")
-        return int(lo) if lo.strip() else 0, int(hi) if hi.strip() else None
+            return n, n + 1, 1
+        parts = text.split(":")
+        if len(parts) > 3:
+            raise ValueError
+        start = int(parts[0]) if parts[0].strip() else 0
+        stop = int(parts[1]) if parts[1].strip() else None
+        step = int(parts[2]) if len(parts) == 3 and parts[2].strip() else 1
     except ValueError:
-        raise UsageError(f"{what}: {text!r} is not a number or a range a:b") from None
+        raise UsageError(f"{what}: {text!r} is not a number or a range a:b or a:b:step") from None
+    if step < 1:
+        raise UsageError(f"{what}: {text!r} has step {step}; a step is 1 or more")
+    return start, stop, step
 
 
-def _inside(value: int, span: tuple[int, int | None]) -> bool:
-    return span[0] <= value and (span[1] is None or value < span[1])
+def _inside(value: int, span: Span) -> bool:
+    start, stop, step = span
+    return start <= value and (stop is None or value < stop) and (value - start) % step == 0
+
+
+def _split_top(text: str, what: str) -> list[str]:
+    """`text` split at the commas outside parentheses (``host=0, gpu=(1,3)`` -> two items)."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth < 0:
+                raise UsageError(f"{what}: a ')' closes nothing")
+        elif ch == "," and depth == 0:
+            items.append(text[start:i].strip())
+            start = i + 1
+    if depth:
+        raise UsageError(f"{what}: a '(' is not closed")
+    items.append(text[start:].strip())
+    return [i for i in items if i]
+
+
+def _spans(value: str, what: str) -> list[Span]:
+    """A dimension's value: ``2``, ``1:3``, ``0:8:2``, or a list ``(1,3)``."""
+    value = value.strip()
+    if value.startswith("(") and value.endswith(")"):
+        inner = _split_top(value[1:-1], what)
+        if not inner:
+            raise UsageError(f"{what}: () lists no value")
+        return [_span(v, what) for v in inner]
+    return [_span(value, what)]
 
 
 def select_ranks(spec: str, paused: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The paused ranks `spec` names: ``*``, ``ranks(1,3)``, ``ranks(1:3)``, ``ranks(gpu=0:2)``,
-    ``ranks(host=0,gpu=1:3)``. A rank named on its own that is not paused, or a selection that matches no
-    paused rank, is a `UsageError` (nothing is sent)."""
+    """The paused ranks `spec` names: ``*``, ``ranks(1,3)``, ``ranks(1:3)``, ``ranks(2:7:2)``,
+    ``ranks(gpu=0:2)``, ``ranks(host=0, gpu=(1,3))``. A rank named on its own that is not paused, or a
+    selection that matches no paused rank, is a `UsageError` (nothing is sent)."""
     spec = spec.strip()
     if spec == "*":
         return list(paused)
     if not (spec.startswith("ranks(") and spec.endswith(")")):
-        raise UsageError(f"{spec!r} names no ranks; use ranks(1,3), ranks(1:3), ranks(gpu=0:2) or *")
-    items = [i.strip() for i in spec[len("ranks(") : -1].split(",") if i.strip()]
+        raise UsageError(f"{spec!r} names no ranks; use ranks(1,3), ranks(1:3), ranks(2:7:2), ranks(gpu=0:2) or *")
+    items = _split_top(spec[len("ranks(") : -1], spec)
     if not items:
         raise UsageError("ranks() is empty; e.g. ranks(1,3), ranks(1:3), ranks(gpu=0:2)")
     if any("=" in i for i in items):
         if not all("=" in i for i in items):
-            raise UsageError(f"{spec}: give either rank numbers or dim=value, not both")
+            raise UsageError(
+                f"{spec}: give either rank numbers or dim=value, not both (a dimension's list goes in parentheses: "
+                "gpu=(1,3))"
+            )
         dims = {}
         for item in items:
             name, _, value = item.partition("=")
-            dims[name.strip()] = _span(value.strip(), spec)
+            dims[name.strip()] = _spans(value, spec)
         known = {d for e in paused for d in e["coords"]}
         unknown = sorted(set(dims) - known) if paused else []
         if unknown:
             raise UsageError(f"{spec}: no dimension {', '.join(unknown)}; the mesh has {', '.join(sorted(known))}")
-        chosen = [e for e in paused if all(_inside(e["coords"].get(d, -1), s) for d, s in dims.items())]
+        chosen = [
+            e for e in paused if all(any(_inside(e["coords"].get(d, -1), s) for s in ss) for d, ss in dims.items())
+        ]
     else:
         spans = [_span(i, spec) for i in items]
         for item, span in zip(items, spans):
@@ -133,6 +189,27 @@ def select_ranks(spec: str, paused: list[dict[str, Any]]) -> list[dict[str, Any]
     if not chosen:
         raise UsageError(f"no paused rank matches {spec}; {_paused_list(paused)}")
     return chosen
+
+
+def of_actor(name: str, paused: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The paused ranks on which actor `name` lives (Monarch's ``attach <actor> <rank>``), or whose call is
+    named `name` (a live function). `UsageError` when there is none, naming what the paused ranks run."""
+    chosen = [e for e in paused if name in e.get("actors", ()) or name == e.get("call")]
+    if not chosen:
+        names = sorted({str(n) for e in paused for n in [*e.get("actors", ()), e.get("call") or ""]} - {""})
+        known = f"the paused ranks run: {', '.join(names)}" if names else _paused_list(paused)
+        raise UsageError(f"no paused rank runs actor {name!r}; {known}")
+    return chosen
+
+
+def _closing(text: str, at: int) -> int:
+    """Where the ')' that closes the '(' at `text[at]` is; -1 if none does."""
+    depth = 0
+    for i in range(at, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    return -1
 
 
 def _paused_list(paused: list[dict[str, Any]]) -> str:
@@ -150,18 +227,25 @@ def _runs_on(e: dict[str, Any], why: str) -> str:
     if why == debugwire.STOPPED_WAITING:
         return f"{_name(e)} still runs that command; you stopped waiting (the script says when it pauses again)"
     if why in ("continued", "quit pdb"):
-        return f"{_name(e)} {why}: it is no longer paused"
+        after = "; its error goes on to the caller" if e.get("post_mortem") else ""
+        return f"{_name(e)} {why}: it is no longer paused{after}"
     return f"{_name(e)} is no longer paused: {why}"
 
 
 def table(paused: list[dict[str, Any]]) -> str:
-    """The paused ranks as a table (a mesh column only when ranks of several meshes are paused)."""
+    """The paused ranks as a table (a mesh column only when ranks of several meshes are paused, a host
+    column only when they are on several hosts)."""
     if not paused:
         return "no rank is paused"
     meshes = len({e["mesh"] for e in paused}) > 1
-    head = (["mesh"] if meshes else []) + ["rank", "coords", "paused at", "prompt"]
+    hosts = len({e.get("host", "") for e in paused}) > 1
+    head = (["mesh"] if meshes else []) + ["rank", "coords"] + (["host"] if hosts else [])
+    head += ["call", "paused at", "prompt"]
     rows = [
-        ([str(e["mesh"])] if meshes else []) + [str(e["rank"]), e["label"], e["where"] or "?", e["prompt"].strip()]
+        ([str(e["mesh"])] if meshes else [])
+        + [str(e["rank"]), e["label"]]
+        + ([e.get("host", "")] if hosts else [])
+        + [e.get("call") or "-", e["where"] or "?", e["prompt"].strip()]
         for e in paused
     ]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
@@ -241,9 +325,9 @@ class Session:
             return False
         if word in ("help", "h", "?"):
             print(HELP)
-        elif word in ("list", "ls"):
+        elif word in ("list", "ls", "l"):
             print(table(self.paused()))
-        elif word == "attach":
+        elif word in ("attach", "a"):
             self.attach(rest)
         elif word == "cast":
             self.cast(rest)
@@ -259,23 +343,30 @@ class Session:
         return True
 
     def attach(self, rest: str) -> None:
+        """``attach [<actor>] <rank> [mesh=<id>]``: talk to that rank's pdb until it runs on or `detach`."""
         paused = self.paused()
         args = rest.split()
         mesh = None
-        if len(args) == 2 and args[1].startswith("mesh="):
+        if args and args[-1].startswith("mesh="):
             try:
-                mesh = int(args[1][len("mesh=") :])
+                mesh = int(args.pop()[len("mesh=") :])
             except ValueError:
-                raise UsageError(f"{args[1]!r}: mesh=<id> takes a number") from None
-        elif len(args) != 1:
-            raise UsageError(f"attach takes one rank: attach <rank> [mesh=<id>]; {_paused_list(paused)}")
+                raise UsageError(f"{rest.split()[-1]!r}: mesh=<id> takes a number") from None
+        if len(args) not in (1, 2):
+            raise UsageError(
+                f"attach takes one rank: attach <rank> or attach <actor> <rank> [mesh=<id>]; {_paused_list(paused)}"
+            )
         try:
-            rank = int(args[0])
+            rank = int(args[-1])
         except ValueError:
-            raise UsageError(f"attach takes a rank number, e.g. attach 1; {_paused_list(paused)}") from None
-        found = [e for e in paused if e["rank"] == rank and (mesh is None or e["mesh"] == mesh)]
+            raise UsageError(
+                f"attach takes a rank number, e.g. attach 1 or attach <actor> 1; {_paused_list(paused)}"
+            ) from None
+        candidates = of_actor(args[0], paused) if len(args) == 2 else paused
+        found = [e for e in candidates if e["rank"] == rank and (mesh is None or e["mesh"] == mesh)]
         if not found:
-            raise UsageError(f"rank {rank} is not paused; {_paused_list(paused)}")
+            of = f" of actor {args[0]!r}" if len(args) == 2 and any(e["rank"] == rank for e in paused) else ""
+            raise UsageError(f"rank {rank}{of} is not paused; {_paused_list(paused)}")
         if len(found) > 1:
             meshes = ", ".join(str(e["mesh"]) for e in found)
             raise UsageError(f"rank {rank} is paused in meshes {meshes}; say which: attach {rank} mesh=<id>")
@@ -301,22 +392,31 @@ class Session:
             if last["ev"] == "running":
                 print(_runs_on(entry, last["why"]), flush=True)
                 return
-            prompt = last["prompt"]
+            entry, prompt = last, last["prompt"]
 
     def cast(self, rest: str) -> None:
-        example = "e.g. cast ranks(1,3) p x"
+        """``cast [<actor>] <ranks> <pdb command>``: one pdb command to several paused ranks."""
+        example = "e.g. cast ranks(1,3) p x, or cast <actor> ranks(1,3) p x"
+        paused_of = None
+        if not rest.startswith(("*", "ranks(")):  # Monarch's form: the actor's name first
+            name, _, rest = rest.partition(" ")
+            rest = rest.strip()
+            if not rest.startswith(("*", "ranks(")):
+                raise UsageError(
+                    f"cast needs ranks(...) or * (after the actor's name, if any), then a pdb command; {example}"
+                )
+            paused_of = name
         if rest.startswith("*"):
             spec, command = "*", rest[1:].strip()
-        elif rest.startswith("ranks("):
-            end = rest.find(")")
+        else:
+            end = _closing(rest, len("ranks"))
             if end < 0:
                 raise UsageError(f"ranks( has no closing ); {example}")
             spec, command = rest[: end + 1], rest[end + 1 :].strip()
-        else:
-            raise UsageError(f"cast needs ranks(...) or * and then a pdb command; {example}")
         if not command:
             raise UsageError(f"cast needs a pdb command after {spec}; {example}")
-        targets = select_ranks(spec, self.paused())
+        paused = self.paused()
+        targets = select_ranks(spec, of_actor(paused_of, paused) if paused_of is not None else paused)
         last = self.send(targets, command, labelled=True)
         for e in targets:
             got = last.get((e["mesh"], e["rank"]))
@@ -324,12 +424,17 @@ class Session:
                 print(_runs_on(e, got["why"]), flush=True)
 
     def continue_all(self) -> None:
+        """Clear the breakpoints of every paused rank and continue it (Monarch's `continue`)."""
         paused = self.paused()
         if not paused:
             print("no rank is paused")
             return
-        self.send(paused, "c", labelled=True)
+        self.send(paused, debugwire.CONTINUE_LINE, labelled=True)
         print("continued: " + ", ".join(_name(e) for e in paused), flush=True)
+        failed = [_name(e) for e in paused if e.get("post_mortem")]
+        if failed:
+            errors, go = ("errors", "go") if len(failed) > 1 else ("error", "goes")
+            print(f"(post-mortem: the {errors} of {', '.join(failed)} {go} on to the caller)", flush=True)
 
     def repl(self) -> None:
         while True:
@@ -383,10 +488,21 @@ def _find(pid: int | None) -> tuple[int, str] | str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="monarch debug",
-        description="Attach to a Python script whose monarch workers are paused in pdb (breakpoint()).",
+        description="Attach to a Python script whose monarch workers are paused in pdb: at a breakpoint(), or "
+        "post-mortem where code debugged in pdb then raised.",
     )
     ap.add_argument("--pid", type=int, help="the script's process id, when several scripts wait")
+    ap.add_argument("--host", help=argparse.SUPPRESS)  # (Monarch's: refused below, saying what to type)
+    ap.add_argument("--port", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.host is not None or args.port is not None:
+        print(
+            "monarch debug: --host and --port name Monarch's TCP debug server (MONARCH_DEBUG_SERVER_HOST/PORT); "
+            "here each script's debugger listens on a private Unix socket that monarch debug finds by itself: "
+            "type 'monarch debug' (with --pid PID when several scripts wait)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         found = _find(args.pid)
     except debugwire.UnsafeDirError as e:
@@ -408,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     n = hello.get("paused", 0)
     print(f"connected to {hello.get('script') or 'a script'} (pid {pid}): {n} rank{'s' * (n != 1)} paused in pdb")
-    print("type help for commands", flush=True)
+    print("type 'help' for the commands, 'list' for the paused ranks", flush=True)
     if sys.stdin.isatty():
         try:
             import readline  # noqa: F401  (line editing and history for input())

@@ -25,6 +25,27 @@ MAX_LINE = 1 << 20
 """The longest message either end accepts (bytes); a longer one ends the connection."""
 STOPPED_WAITING = "you stopped waiting"
 """Why a rank is reported running when the client stopped waiting for it (Ctrl-C) mid-command."""
+CONTINUE_LINE = "clear_continue"
+"""The pdb command `continue` sends each paused rank: clear its breakpoints, then continue (the worker's pdb,
+`worker/stdin.py`, has it)."""
+POST_MORTEM = "post-mortem"
+"""The word that marks a pause in pdb post-mortem (after an error) in where a rank is paused."""
+NOTE_LENGTH = 60
+"""The longest error a post-mortem's note quotes (characters)."""
+
+
+def post_mortem_note(error: str) -> str:
+    """What follows where a rank is paused when it is a post-mortem: ``(post-mortem: ValueError: bad rank)``,
+    the error cut to `NOTE_LENGTH` characters on one line."""
+    error = " ".join(error.split())
+    if len(error) > NOTE_LENGTH:
+        error = error[: NOTE_LENGTH - 3] + "..."
+    return f"({POST_MORTEM}: {error})"
+
+
+def is_post_mortem(where: str) -> bool:
+    """Whether `where` (a paused rank's place, as the worker says it) is a post-mortem's."""
+    return f"({POST_MORTEM}: " in where
 
 
 class UnsafeDirError(PermissionError):
