@@ -35,6 +35,10 @@ import floor  # benchmarks/floor.py: the raw pyzmq echo, the floor
 from run import ROUND_TRIPS, N, abba, header, measure, peer_env, print_rows  # benchmarks/run.py, next to this file
 
 BROADCASTS = 5000
+PORT_SENDS = 2000
+"""Messages one actor sends a port in a row (to the script, then to an actor of another process)."""
+RL_STEPS = 40
+"""Steps of the RL loop (`examples/grpo/loop.py`) timed on each side."""
 BROADCAST_TARGET = 50_000
 """Broadcasts issued per second, issue 28's target."""
 FLOOR_TARGET = 1.5
@@ -57,6 +61,26 @@ CLASSES = textwrap.dedent(
         @endpoint
         def seen(self):
             return self.n
+
+        @endpoint
+        def blast(self, port, n):  # n messages to a port, fire and forget
+            for i in range(n):
+                port.send(i)
+
+
+    class Sink(Actor):  # the receiving end of a channel, in another process
+        def __init__(self):
+            self.port, self.receiver = Channel.open()
+
+        @endpoint
+        def where(self):
+            return self.port
+
+        @endpoint
+        def drain(self, n):
+            for _ in range(n):
+                self.receiver.recv().get()
+            return n
 
 
     class Caller(Actor):  # holds a reference to the Noop actors (its constructor's argument), times calls to TARGET
@@ -95,6 +119,7 @@ ACTORS = (
     t0 = time.perf_counter()
     from monarch.actor import Actor, endpoint, this_host
     imported = time.perf_counter() - t0
+    from monarch.actor import Channel
     """
     )
     + CLASSES
@@ -130,9 +155,29 @@ ACTORS = (
         assert seen == [expected] * N, f"broadcasts lost: actors saw {seen}, {expected} sent"
         issued.append(BROADCASTS / (t1 - t0))
         total.append(BROADCASTS / (t2 - t0))
+    port, receiver = Channel.open()  # an actor's port sends to the script
+    to_client = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        one.blast.call_one(port, PORT_SENDS).get()
+        for _ in range(PORT_SENDS):
+            receiver.recv().get()
+        to_client.append(PORT_SENDS / (time.perf_counter() - t0))
+    sinks = procs2b = this_host().spawn_procs(ONE)
+    sink = procs2b.spawn("sink", Sink)
+    sink_port = sink.where.call_one().get()
+    a2a_ports = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        draining = sink.drain.call_one(PORT_SENDS)
+        one.blast.call_one(sink_port, PORT_SENDS).get()
+        draining.get()
+        a2a_ports.append(PORT_SENDS / (time.perf_counter() - t0))
+    STOP(procs2b)
     out = {
         "import": imported, "first": first, "second": second, "call": call, "call_cpu": call_cpu,
         "call_one": call_one, "a2a": a2a, "issued": statistics.median(issued), "total": statistics.median(total),
+        "port_to_client": statistics.median(to_client), "port_a2a": statistics.median(a2a_ports),
     }
     print(json.dumps(out), flush=True)
     STOP(procs)
@@ -140,8 +185,10 @@ ACTORS = (
     )
 )
 
-OURS = 'PER_HOST = {"gpu": N}\nDIM = "gpu"\nTARGET = {"gpu": 1}\nSTOP = lambda p: p.exit()\n'
-THEIRS = 'PER_HOST = {"gpus": N}\nDIM = "gpus"\nTARGET = {"gpus": 1}\nSTOP = lambda p: p.stop().get()\n'
+OURS = 'PER_HOST = {"gpu": N}\nONE = {"gpu": 1}\nDIM = "gpu"\nTARGET = {"gpu": 1}\nSTOP = lambda p: p.exit()\n'
+THEIRS = (
+    'PER_HOST = {"gpus": N}\nONE = {"gpus": 1}\nDIM = "gpus"\nTARGET = {"gpus": 1}\nSTOP = lambda p: p.stop().get()\n'
+)
 
 HOSTS = (
     textwrap.dedent(
@@ -167,7 +214,7 @@ HOSTS = (
         for _ in range(BROADCASTS):
             actors.count.broadcast()
         t1 = time.perf_counter()
-        assert list(actors.seen.call().get()) == [BROADCASTS] * N
+        assert actors.seen.call().get().values() == [BROADCASTS] * N
         t2 = time.perf_counter()
         procs.exit()
     finally:
@@ -201,7 +248,27 @@ def hosts() -> dict | str:
 
 
 def side(python: str, prelude: str, env: dict | None = None) -> dict | None:
-    return measure(python, f"BROADCASTS = {BROADCASTS}\n{prelude}" + ACTORS, env)
+    return measure(python, f"BROADCASTS = {BROADCASTS}\nPORT_SENDS = {PORT_SENDS}\n{prelude}" + ACTORS, env)
+
+
+RL = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    sys.path.insert(0, EXAMPLES_PARENT)
+    from examples.grpo.loop import train
+    got = asyncio.run(train(RL_STEPS, log=False))
+    print(json.dumps({"rl_step": got["step_ms"] / 1e3, "rl_start": got["start_s"], "rl_reward": got["final_reward"]}))
+    """
+)
+
+
+def rl_side(python: str, env: dict | None = None) -> dict | None:
+    """The RL loop of `examples/grpo/loop.py` (written against Monarch's API only), run from a folder holding
+    nothing but a link to `examples/` (the checkout's own `monarch/` folder must not shadow either package)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as d:
+        os.symlink(os.path.join(repo, "examples"), os.path.join(d, "examples"))
+        return measure(python, f"EXAMPLES_PARENT = {d!r}\nRL_STEPS = {RL_STEPS}\n" + RL, env, cwd=d)
 
 
 def run_all() -> dict:
@@ -209,8 +276,14 @@ def run_all() -> dict:
     tm = os.environ.get("TORCHMONARCH_PYTHON")
     if tm:
         ours, theirs = abba(lambda: side(sys.executable, OURS), lambda: side(tm, THEIRS, peer_env()))
+        rl_ours, rl_theirs = abba(lambda: rl_side(sys.executable), lambda: rl_side(tm, peer_env()))
     else:
         ours, theirs = side(sys.executable, OURS), None
+        rl_ours, rl_theirs = rl_side(sys.executable), None
+    if ours is not None and rl_ours is not None:
+        ours.update(rl_ours)
+    if theirs is not None and rl_theirs is not None:
+        theirs.update(rl_theirs)
     floor2 = floor.rtt_router()
     floors = [f for f in (floor1, floor2) if f is not None]
     results = {"monarch": ours, "torchmonarch": theirs, "floor": sum(floors) / len(floors) if floors else None}
@@ -250,11 +323,28 @@ def report(results: dict) -> None:
     for title, key in (
         (f"broadcast()s to {N} actors issued per second ({BROADCASTS} in a row)", "issued"),
         ("  and per second until one call() after them answers (all ran)", "total"),
+        (f"port.send() from an actor to the script, per second until all {PORT_SENDS} received", "port_to_client"),
+        ("port.send() from an actor to an actor of another process, the same", "port_a2a"),
     ):
+        if key not in ours:
+            continue
         parts = [f"monarch {ours[key]:,.0f}/s"]
-        if theirs:
+        if theirs and key in theirs:
             parts.append(f"torchmonarch {theirs[key]:,.0f}/s (ratio {ours[key] / theirs[key]:.1f}x)")
         print(f"{title}: " + " | ".join(parts))
+    if "rl_step" in ours:
+        rl = {"monarch": ours} | ({"torchmonarch": theirs} if theirs and "rl_step" in theirs else {})
+        print_rows(
+            rl,
+            [
+                (f"RL loop (examples/grpo/loop.py, {RL_STEPS} steps): a step, median", "rl_step", "ms", 1e3),
+                ("  its start: meshes and actors spawned, weights shared", "rl_start", "s", 1),
+            ],
+        )
+        print(
+            "  final reward (mean of the last 10 steps): "
+            + " | ".join(f"{k} {v['rl_reward']:.3f}" for k, v in rl.items())
+        )
     met = "met" if ours["issued"] >= BROADCAST_TARGET else "not met"
     print(f"  target: {BROADCAST_TARGET:,} broadcasts issued per second: {met}")
     if floor:

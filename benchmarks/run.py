@@ -167,11 +167,11 @@ def peer_env() -> dict:
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
-def measure(python: str, code: str, env: dict | None = None) -> dict | None:
+def measure(python: str, code: str, env: dict | None = None, cwd: str | None = None) -> dict | None:
     src = f"N = {N}\nROUND_TRIPS = {ROUND_TRIPS}\n" + code
     # run outside the checkout, so that `import monarch` means the installed package of that Python
     r = subprocess.run(
-        [python, "-c", src], capture_output=True, text=True, timeout=600, env=env, cwd=tempfile.gettempdir()
+        [python, "-c", src], capture_output=True, text=True, timeout=600, env=env, cwd=cwd or tempfile.gettempdir()
     )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:

@@ -86,7 +86,7 @@ def one_round(job_name: str) -> None:
 
     remote = monarch.notebook.job(job_name).spawn_procs({"gpu": 1})
     try:
-        got = list(reduce_over.on(remote)(remote.process_group("host")))
+        got = reduce_over.on(remote)(remote.process_group("host")).values()
         if got != [2.0, 2.0]:
             raise AssertionError(f"all_reduce across the agents gave {got}")
     finally:
@@ -96,7 +96,7 @@ def one_round(job_name: str) -> None:
     captured = io.StringIO()
     with redirect_stdout(captured):  # (the controller prints workers' output to sys.stdout)
         try:
-            got = list(reduce_over.on(local)(local.process_group("gpu")))
+            got = reduce_over.on(local)(local.process_group("gpu")).values()
             if got != [2.0, 2.0]:
                 raise AssertionError(f"all_reduce on the local mesh gave {got}")
             burst.on(local).call_async(BURST)

@@ -119,7 +119,7 @@ class MeshMagics(Magics):
             from monarch.profiler import show
 
             show(prof.stop())
-        if all(v is None for v in values):
+        if all(v is None for v in values.values()):
             return None
         return values
 

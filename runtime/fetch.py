@@ -94,7 +94,7 @@ class Shard:
 
     def result(self, timeout: float | None = None) -> torch.Tensor:
         with _no_modes():
-            return next(iter(self._call.result(timeout)))
+            return self._call.result(timeout).values()[0]
 
     get = result
 
@@ -106,4 +106,4 @@ class Shard:
 def inspect(t: Tensor, **coords: int) -> torch.Tensor:
     """The value of `t` on the worker at `coords` (default: the first), as a local tensor."""
     with _no_modes():
-        return next(iter(_fetch(t, "inspect", _fetcher, coords).result()))
+        return _fetch(t, "inspect", _fetcher, coords).result().values()[0]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from monarch.runtime.common.groups import WORLD, ProcessGroupRef
+from monarch.runtime.common.mesh_trait import MeshTrait
 from monarch.runtime.common.shape import Shape, format_ranks
 from monarch.runtime.common.stacks import StackReport, pyspy_threads, thread_stacks
 from monarch.runtime.wire import protocol
@@ -47,43 +48,102 @@ def mesh_to_act_on(what: str, mesh: Any, missing: str) -> ProcMesh | None:
     return found
 
 
-class Extent(dict[str, int]):
-    """A mesh's dimensions and their sizes (`mesh.extent`): a dict, ``{'gpus': 8}``, with Monarch's names for
-    its parts (`labels`, `sizes`, `nelem`)."""
+class HostMesh(MeshTrait):
+    """The machines a mesh can be spawned on. `this_host()` is the machine running the controller, a host mesh of
+    no dimensions (as Monarch's); ``HostMesh(Shape(("hosts",), (1,), (0,)))`` is the same machine as a mesh of one
+    host (`hosts_from_config` without a job); a Slurm job's hosts are a `monarch.notebook.job(...)`. A proc mesh
+    spawned here has the host mesh's dimensions, then `per_host`'s."""
 
-    @property
-    def labels(self) -> list[str]:
-        return list(self)
+    def __init__(self, shape: Shape | None = None) -> None:
+        self._shape = shape if shape is not None else Shape((), (), (0,))
 
-    @property
-    def sizes(self) -> list[int]:
-        return list(self.values())
+    def _new_with_shape(self, shape: Shape) -> HostMesh:
+        if len(shape) != 1:
+            raise ValueError(f"this machine is one host: no view of it has {len(shape)} points")
+        return HostMesh(shape)
 
-    @property
-    def nelem(self) -> int:
-        """The number of points (processes, actors)."""
-        n = 1
-        for size in self.values():
-            n *= size
-        return n
-
-
-class HostMesh:
-    """The machines a mesh can be spawned on. `this_host()` is the machine running the controller."""
-
-    def spawn_procs(self, per_host: dict[str, int] | None = None) -> ProcMesh:
+    def spawn_procs(
+        self,
+        per_host: dict[str, int] | None = None,
+        bootstrap: Callable[[], Any] | None = None,
+        name: str | None = None,
+        proc_bind: list[dict[str, str]] | None = None,
+        bootstrap_command: Any = None,
+    ) -> ProcMesh:
         """Start one worker process per point of `per_host` (e.g. ``{"host": 2, "gpu": 4}``).
 
-        Each worker owns `cuda:<local rank>` when GPUs exist, else the CPU, and joins a
-        torch.distributed group of the whole mesh. Returns when every worker is ready.
-        """
+        Each worker owns `cuda:<local rank>` when GPUs exist, else the CPU, and joins a torch.distributed group
+        of the whole mesh. Returns when every worker is ready. Monarch's options: `bootstrap` (a function run on
+        each process first, `async def` too), `proc_bind` (per process, ``{"cpus": "0-3"}`` or
+        ``{"physcpubind": "0,1"}``: the CPUs it may run on); `name` is accepted."""
         from monarch.runtime.controller import get_controller  # (here: `import monarch` must not import zmq)
 
-        spawned = get_controller().spawn({"gpu": 1} if per_host is None else per_host)
-        return ProcMesh(spawned, spawned.shape)
+        if bootstrap_command is not None:
+            raise ValueError(
+                "spawn_procs(bootstrap_command=...): workers here are forked from this machine's fork server, not "
+                "started by a command; use bootstrap= (a function each process runs first) or, on a cluster, "
+                "monarch.notebook.reserve / monarch.job.SlurmJob"
+            )
+        sizes = {"gpu": 1} if per_host is None else per_host
+        if self._shape.names:
+            clash = set(sizes) & set(self._shape.names)
+            if clash:
+                raise ValueError(f"per_host {per_host} repeats the host mesh's dimension {sorted(clash)[0]!r}")
+            sizes = {**self._shape.size_dict, **sizes}
+        binds = _check_binds(proc_bind, sizes)
+        spawned = get_controller().spawn(sizes)
+        mesh = ProcMesh(spawned, spawned.shape)
+        if binds is not None or bootstrap is not None:
+            mesh._bootstrap(bootstrap, binds)
+        return mesh
+
+    @property
+    def initialized(self) -> Any:
+        """A done future: this host is up."""
+        from monarch.runtime.values import Done
+
+        return Done(True)
+
+    def shutdown(self) -> Any:
+        """Stop every mesh this controller spawned on this host; a done future."""
+        from monarch.runtime.controller import get_controller
+        from monarch.runtime.values import Done
+
+        get_controller().stop_all()
+        return Done(None)
+
+    stop = shutdown
 
     def __repr__(self) -> str:
-        return "HostMesh(this_host)"
+        return "HostMesh(this_host)" if not self._shape.names else f"HostMesh(this host, {self._shape.describe()})"
+
+
+def _check_binds(proc_bind: list[dict[str, str]] | None, sizes: dict[str, int]) -> list[set[int]] | None:
+    """`proc_bind` as the CPUs of each process (checked: one entry per process, keys we can apply)."""
+    if proc_bind is None:
+        return None
+    n = 1
+    for size in sizes.values():
+        n *= size
+    if not isinstance(proc_bind, list) or len(proc_bind) != n:
+        raise ValueError(f"proc_bind: give one dict per process ({n}), got {proc_bind!r}")
+    out = []
+    for entry in proc_bind:
+        unknown = set(entry) - {"cpus", "physcpubind"}
+        if unknown:
+            raise ValueError(
+                f"proc_bind {entry!r}: {', '.join(sorted(unknown))} needs numactl; here only 'cpus' and "
+                "'physcpubind' (the CPUs a process may run on, e.g. '0-3,8') apply"
+            )
+        cpus: set[int] = set()
+        for spec in entry.values():
+            for part in str(spec).split(","):
+                lo, _, hi = part.strip().partition("-")
+                if not lo.isdigit() or (hi and not hi.isdigit()):
+                    raise ValueError(f"proc_bind {entry!r}: {part!r} is not a CPU number or range like '0-3'")
+                cpus.update(range(int(lo), int(hi or lo) + 1))
+        out.append(cpus)
+    return out
 
 
 _this_host = HostMesh()
@@ -94,16 +154,21 @@ def this_host() -> HostMesh:
     return _this_host
 
 
+BOOTSTRAP: Callable[[ProcMesh, Any, Any], None] | None = None
+"""Runs `spawn_procs(bootstrap=, proc_bind=)` on a new mesh's workers: set by `monarch.runtime.actors` (a layer
+above, where live functions are)."""
+
 ACTORS: Callable[..., Any] | None = None
 """Makes `ProcMesh.spawn`'s actor mesh: set by `monarch.runtime.actors` (which `monarch.actor` imports), a layer
 above this one."""
 
 
-class ProcMesh:
+class ProcMesh(MeshTrait):
     """A view (all or part, possibly renamed or reshaped) of a spawned mesh of worker processes.
 
     Views share workers: `mesh.slice(gpu=0)` and `mesh.rename(gpu="tp")` address the same
-    processes as `mesh`.
+    processes as `mesh`. Its shape API (`extent`, `sizes`, `size`, `slice`, `rename`, `split`, `flatten`) is
+    every mesh's (`common/mesh_trait.py`).
     """
 
     def __init__(self, spawned: SpawnedMesh, shape: Shape):
@@ -119,32 +184,18 @@ class ProcMesh:
         return self._spawned
 
     # -- shape -------------------------------------------------------------------------------------
-    @property
-    def sizes(self) -> dict[str, int]:
-        """`{dimension: size}` in order, e.g. ``{"host": 2, "gpu": 4}``."""
-        return self._shape.size_dict
+    def _new_with_shape(self, shape: Shape) -> ProcMesh:
+        return type(self)(self._spawned, shape)
 
     @property
-    def extent(self) -> Extent:
-        """The view's dimensions and sizes, as Monarch prints them: ``{'host': 2, 'gpu': 4}``."""
-        return Extent(self._shape.size_dict)
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return self._shape.names
+    def host_mesh(self) -> HostMesh:
+        """The hosts this mesh runs on (`this_host()` for a mesh on this machine)."""
+        return _this_host
 
     @property
     def state(self) -> str:
         """The workers' state: ``starting``, ``running``, ``failed``, ``stopping`` or ``stopped``."""
         return self._spawned.state
-
-    def describe(self) -> str:
-        """The view's shape as text, e.g. ``{host: 2, gpu: 4}``."""
-        return self._shape.describe()
-
-    def label(self, coords: dict[str, int]) -> str:
-        """A point's coordinates as text, e.g. ``host=0,gpu=3``."""
-        return self._shape.label(coords)
 
     def shares_workers_with(self, other: ProcMesh) -> bool:
         """Whether `other` is a view of the same spawned mesh (the same worker processes)."""
@@ -162,29 +213,6 @@ class ProcMesh:
 
         controller.add_listener(listener)
         return lambda: controller.remove_listener(listener)
-
-    def size(self, dim: str | None = None) -> int:
-        """Size of mesh dimension `dim`, or the number of workers when no dimension is given."""
-        return self._shape.size(dim)
-
-    def __len__(self) -> int:
-        return len(self._shape)
-
-    def rename(self, **renames: str) -> ProcMesh:
-        """`rename(host="dp", gpu="tp")`: the same workers under new dimension names."""
-        return type(self)(self._spawned, self._shape.rename(**renames))
-
-    def split(self, **spec) -> ProcMesh:
-        """`split(host=("dp", "pp"), gpu=("tp",), pp=2)`: replace dimensions by several; one size may be inferred."""
-        return type(self)(self._spawned, self._shape.split(**spec))
-
-    def slice(self, **index: int | range | slice) -> ProcMesh:
-        """`slice(gpu=0)` drops the dimension; `slice(gpu=range(0, 4))` or `slice(gpu=slice(0, 4))` keeps it."""
-        return type(self)(self._spawned, self._shape.slice(**index))
-
-    def flatten(self, name: str) -> ProcMesh:
-        """All workers of this view along one dimension called `name`."""
-        return type(self)(self._spawned, self._shape.flatten(name))
 
     # -- workers -----------------------------------------------------------------------------------
     def _check(self) -> None:
@@ -258,8 +286,37 @@ class ProcMesh:
         raise ValueError(f"mesh {self.describe()} has no workspace to sync: it runs on this machine")
 
     def exit(self) -> None:
-        """Stop the workers (of the whole spawned mesh, which all views share). Idempotent."""
+        """Stop the workers (of the whole spawned mesh, which all views share). Idempotent. Their actors'
+        `__cleanup__` runs first."""
         self._spawned.controller.stop(self._spawned)
+
+    def stop(self, reason: str = "stopped by client") -> Any:
+        """Monarch's name for `exit()`: stop the workers; returns a done future (`.get()`, `await`)."""
+        from monarch.runtime.values import Done
+
+        self.exit()
+        return Done(None)
+
+    @property
+    def initialized(self) -> Any:
+        """A done future: `spawn_procs` returns once every worker is ready."""
+        from monarch.runtime.values import Done
+
+        return Done(True)
+
+    def _bootstrap(self, bootstrap: Callable[[], Any] | None, binds: list[set[int]] | None) -> None:
+        """`spawn_procs(bootstrap=, proc_bind=)`: each process's CPUs set, then `bootstrap()` run there (its
+        error fails the spawn, and the mesh is stopped)."""
+        if BOOTSTRAP is None:
+            self.exit()
+            raise TypeError(
+                "spawn_procs(bootstrap=/proc_bind=): import monarch.actor first (Monarch's API lives there)"
+            )
+        try:
+            BOOTSTRAP(self, bootstrap, binds)
+        except BaseException:
+            self.exit()
+            raise
 
     def respawn(self) -> ProcMesh:
         """A new mesh with the shape this mesh was spawned with, where it was (this machine, or the same

@@ -13,6 +13,7 @@ from typing import Any
 import cloudpickle
 
 from monarch.runtime.common import context
+from monarch.runtime.common.endpoint import Adverbs
 from monarch.runtime.common.errors import cell_name
 from monarch.runtime.controller import OutputEvent, fnblob
 from monarch.runtime.mesh import ProcMesh, active_mesh
@@ -21,12 +22,14 @@ from monarch.runtime.wire import codec, protocol
 from monarch.runtime.wire.hold import Deferred
 
 
-class RemoteFunction:
+class RemoteFunction(Adverbs[Any, Any]):
     """A function that runs on the workers of a mesh. Make one with `@monarch.remote`.
 
     ``f(*args)`` runs it on the active mesh (`with mesh.activate():`); ``f.on(mesh)(*args)`` on a
     given mesh or slice. Both return a `ValueMesh`; `call_async` returns a `Future`. On a worker,
-    calling it just runs the function there.
+    calling it just runs the function there. It is also an endpoint, as Monarch's free functions are:
+    ``f.call()``, ``f.call_one()``, ``f.broadcast()``, ``f.choose()``, ``f.stream()`` and
+    ``send(f, args, kwargs, port=)`` on its mesh (`common/endpoint.py`).
     """
 
     def __init__(self, fn, mesh: ProcMesh | None = None):
@@ -35,6 +38,60 @@ class RemoteFunction:
         self._fn = fn
         self._mesh = mesh
         functools.update_wrapper(self, fn)
+        self._name = getattr(fn, "__name__", "function")
+
+    # -- the adverbs: on the mesh it is bound to, or the active one --------------------------------
+    def _target(self) -> ProcMesh:
+        mesh = self._mesh or active_mesh()
+        if mesh is None:
+            raise RuntimeError(
+                f"no mesh to run {self.__name__} on: use {self.__name__}.on(mesh).call(...) or call it inside "
+                "`with mesh.activate():`"
+            )
+        return mesh
+
+    @property
+    def _shape(self) -> Any:
+        return self._target()._shape
+
+    @property
+    def _what(self) -> str:
+        return self.__name__
+
+    def _in_flight(self) -> tuple[Any, dict[int, int]]:
+        import threading
+
+        got = self.__dict__.get("_choosing")
+        if got is None:
+            got = self.__dict__["_choosing"] = (threading.Lock(), {})
+        return got
+
+    def _call(self, points: list[int] | None, args: tuple, kwargs: dict) -> Future:
+        mesh = self._target()
+        if points is not None:
+            coords = mesh._shape.coords(points[0])
+            mesh = mesh.slice(**{dim: range(c, c + 1) for dim, c in coords.items()})
+        return RemoteFunction(self._fn, mesh).start(args, kwargs)
+
+    def _post(self, points: list[int] | None, args: tuple, kwargs: dict, port: Any) -> None:
+        """Run it without waiting; each worker's result to `port` (a failure too), else a failure said on
+        stderr (nobody waits to be told)."""
+        mesh = self._target()
+        if points is not None:
+            coords = mesh._shape.coords(points[0])
+            mesh = mesh.slice(**{dim: range(c, c + 1) for dim, c in coords.items()})
+        if port is not None:
+            to_port = RemoteFunction.by_name("monarch.runtime.worker.actors", "call_to_port", mesh)
+            to_port.start((self._fn, port, args, kwargs), {}, name=self.__name__)
+            return
+        future = RemoteFunction(self._fn, mesh).start(args, kwargs)
+
+        def report(f: Future) -> None:
+            error = f.exception()
+            if error is not None:
+                print(f"monarch: {self.__name__} (not waited for) failed: {error}", file=sys.stderr)
+
+        future.add_done_callback(report)
 
     def on(self, mesh: ProcMesh) -> RemoteFunction:
         """This function bound to `mesh` (any view of a spawned mesh)."""

@@ -131,6 +131,32 @@ class Future(Generic[T]):
         return ValueMesh(self._shape, values)
 
 
+class Done(Generic[T]):
+    """A future that is already done (what Monarch's asynchronous methods return where ours finish before
+    returning, such as `ProcMesh.stop()`): `get()`, `result()`, `await`."""
+
+    def __init__(self, value: T) -> None:
+        self._value = value
+
+    def done(self) -> bool:
+        return True
+
+    def get(self, timeout: float | None = None) -> T:
+        return self._value
+
+    result = get
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return None
+
+    def add_done_callback(self, fn: Callable[[Done[T]], None]) -> None:
+        fn(self)
+
+    def __await__(self):
+        return self._value
+        yield  # (a generator: `await` takes its return value)
+
+
 def _loader() -> Callable[[Any, Any], Any]:
     """`_loads` for this thread now, decided once for a call's replies (`codec.loads` itself outside
     `mesh.activate()`: one call fewer per reply)."""

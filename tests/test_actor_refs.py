@@ -57,7 +57,7 @@ class Trainer(Actor):
 
     @endpoint
     def from_all(self) -> list[str]:
-        return list(self.loaders.example.call().get())
+        return self.loaders.example.call().get().values()
 
     @endpoint
     def from_next(self) -> str:
@@ -90,11 +90,11 @@ class Trainer(Actor):
 
     @endpoint
     def streamed(self) -> list[str]:
-        return sorted(self.loaders.example.stream())
+        return sorted(f.get() for f in self.loaders.example.stream())
 
     @endpoint
     def message_ranks(self) -> list:
-        return list(self.loaders.slice(gpu=slice(1, 3)).where.call().get())
+        return self.loaders.slice(gpu=slice(1, 3)).where.call().get().values()
 
     @endpoint
     def broadcast_then_ask(self) -> str:
@@ -123,10 +123,10 @@ def pair(procs, request):
 
 def test_an_actor_calls_the_actors_it_was_given(pair):
     loaders, trainers = pair
-    assert list(trainers.step.call().get()) == [f"trainer {g} got batch 1 from {g}" for g in range(3)]
-    assert list(trainers.step.call().get()) == [f"trainer {g} got batch 2 from {g}" for g in range(3)]
-    assert list(trainers.from_next.call().get()) == [f"batch 3 from {(g + 1) % 3}" for g in range(3)]
-    assert list(loaders.example.call().get()) == [f"batch 4 from {g}" for g in range(3)]
+    assert trainers.step.call().get().values() == [f"trainer {g} got batch 1 from {g}" for g in range(3)]
+    assert trainers.step.call().get().values() == [f"trainer {g} got batch 2 from {g}" for g in range(3)]
+    assert trainers.from_next.call().get().values() == [f"batch 3 from {(g + 1) % 3}" for g in range(3)]
+    assert loaders.example.call().get().values() == [f"batch 4 from {g}" for g in range(3)]
 
 
 def test_a_call_to_every_actor_and_a_stream_from_an_endpoint(pair):
@@ -144,17 +144,17 @@ def test_message_rank_is_the_place_in_the_slice_sent_to(pair):
 
 def test_an_async_endpoint_awaits_another_actor(pair):
     _, trainers = pair
-    assert list(trainers.step_async.call().get()) == [f"batch 1 from {g}" for g in range(3)]
+    assert trainers.step_async.call().get().values() == [f"batch 1 from {g}" for g in range(3)]
 
 
 def test_a_broadcast_and_a_call_from_one_sender_arrive_in_order(pair):
     _, trainers = pair
-    assert list(trainers.broadcast_then_ask.call().get()) == [f"batch 2 from {g}" for g in range(3)]
+    assert trainers.broadcast_then_ask.call().get().values() == [f"batch 2 from {g}" for g in range(3)]
 
 
 def test_a_callee_that_calls_its_caller_back_does_not_deadlock(pair):
     _, trainers = pair
-    assert list(trainers.round_trip.call(trainers).get()) == [f"trainer {g}" for g in range(3)]
+    assert trainers.round_trip.call(trainers).get().values() == [f"trainer {g}" for g in range(3)]
 
 
 def test_an_actor_calling_itself_gets_a_clear_error(pair):
@@ -193,7 +193,7 @@ def test_an_inbox_drops_what_is_not_signed_with_its_key(pair):
     sock.send_multipart(codec.encode(os.urandom(32), 99, 0, 1, protocol.pack(message), [bomb]))
     assert sock.poll(300) == 0  # no answer: dropped
     sock.close(0)
-    assert list(trainers.step.call().get()) == [f"trainer {g} got batch 1 from {g}" for g in range(3)]
+    assert trainers.step.call().get().values() == [f"trainer {g} got batch 1 from {g}" for g in range(3)]
 
 
 def test_a_reference_back_on_the_controller_says_what_to_use(pair):

@@ -55,7 +55,7 @@ class Supervisor(Actor):
     @endpoint
     def start(self, procs) -> list[int]:
         self.workers = procs.spawn("supervised", Worker)
-        return list(self.workers.pid.call().get(timeout=30))
+        return self.workers.pid.call().get(timeout=30).values()
 
     @endpoint
     def seen(self) -> list[MeshFailure]:
@@ -92,7 +92,7 @@ def test_a_dead_process_fails_its_calls_the_rest_goes_on_and_the_hook_hears_of_i
             waiting.get(timeout=10)
         open(gate + ".open", "w").close()  # (the other three finish the failed call; nobody waits for them)
 
-        assert list(workers.slice(gpu=slice(2, 4)).where.call().get(timeout=30)) == [2, 3]
+        assert workers.slice(gpu=slice(2, 4)).where.call().get(timeout=30).values() == [2, 3]
         assert workers.slice(gpu=0).where.call_one().get(timeout=30) == 0
         chosen = [workers.where.choose() for _ in range(6)]  # (in flight at once or not: never the dead one)
         assert set(f.get(timeout=30) for f in chosen) <= {0, 2, 3}
@@ -161,7 +161,7 @@ def test_a_failed_broadcast_goes_to_the_owner_too(hook):
         assert "raised in fail (a broadcast) (ranks 0-1 did): ValueError: no work on gpu {0,1}" == failure.what, (
             failure.what
         )
-        assert list(workers.where.call().get(timeout=30)) == [0, 1]
+        assert workers.where.call().get(timeout=30).values() == [0, 1]
     finally:
         procs.exit()
     assert wait_gone(pids) == []
@@ -201,7 +201,7 @@ def test_in_the_notebook_a_death_shows_in_the_cell_that_spawned_the_actors_and_t
         "        return os.getpid()\n"
         "procs = this_host().spawn_procs({'gpu': 3})\n"
         "ws = procs.spawn('nb_workers', W)\n"
-        "pids = list(ws.pid.call().get())\n"
+        "pids = ws.pid.call().get().values()\n"
         "os.kill(pids[1], signal.SIGKILL)\n"
     )
     with monarch_kernel() as k:

@@ -81,9 +81,9 @@ def procs():
 
 def test_call_reaches_every_actor_and_each_keeps_its_state(procs):
     c = procs.spawn("state", Counter, 10)
-    assert list(c.incr.call(2).get()) == [12] * 4
+    assert c.incr.call(2).get().values() == [12] * 4
     assert c.slice(gpu=1).incr.call_one(5).get() == 17
-    assert list(c.incr.call().get()) == [13, 18, 13, 13]
+    assert c.incr.call().get().values() == [13, 18, 13, 13]
     values = c.incr.call(0).get()
     assert values.item(gpu=1) == 18 and values.sizes == {"gpu": 4}
 
@@ -95,12 +95,12 @@ def test_messages_from_one_sender_arrive_in_the_order_sent(procs):
         f.get()
     for b in range(10):
         c.incr.broadcast(100 + b)
-    assert list(c.history.call().get()) == [[*range(1, 51), *range(100, 110)]] * 4
+    assert c.history.call().get().values() == [[*range(1, 51), *range(100, 110)]] * 4
 
 
 def test_slices_and_context(procs):
     c = procs.spawn("where", Counter, 0)
-    got = list(c.slice(gpu=slice(2, 4)).where.call().get())
+    got = c.slice(gpu=slice(2, 4)).where.call().get().values()
     # the actor's own coordinates in its mesh; the message's coordinates in the slice it was sent to
     assert got == [({"gpu": 2}, {"gpu": 0}, {"gpu": 0}), ({"gpu": 3}, {"gpu": 1}, {"gpu": 1})]
     assert c.slice(gpu=3).where.call_one().get()[0] == {"gpu": 3}
@@ -109,24 +109,25 @@ def test_slices_and_context(procs):
 
 def test_async_endpoints_and_awaiting_futures(procs):
     c = procs.spawn("async", Counter, 0)
-    assert list(c.twice_later.call(21).get()) == [42] * 4
+    assert c.twice_later.call(21).get().values() == [42] * 4
 
     async def main():
         return await c.twice_later.call(1), await c.slice(gpu=0).twice_later.call_one(5)
 
     mesh_value, one = asyncio.run(main())
-    assert list(mesh_value) == [2] * 4 and one == 10
+    assert mesh_value.values() == [2] * 4 and one == 10
 
 
-def test_stream_yields_each_value_as_it_arrives(procs, tmp_path):
+def test_stream_yields_each_answer_as_it_arrives(procs, tmp_path):
     c = procs.spawn("stream", Counter, 0)
-    assert sorted(c.incr.stream(0)) == [0, 0, 0, 0]
+    assert sorted(f.get() for f in c.incr.stream(0)) == [0, 0, 0, 0]
     gate = str(tmp_path / "gate")
     it = c.hold.stream(gate, 2)  # gpu=2 holds until the gate opens; the others answer at once
     first = [next(it) for _ in range(3)]  # (would wait forever if stream waited for every answer)
-    assert sorted(first) == [0, 1, 3] and started(gate, 1)
+    assert all(f.done() for f in first)  # a future is yielded once it is answered, as Monarch's are
+    assert sorted(f.get() for f in first) == [0, 1, 3] and started(gate, 1)
     open(gate + ".open", "w").close()
-    assert list(it) == [2]
+    assert [f.get() for f in it] == [2]
 
 
 def test_choose_spreads_calls_over_the_actors(procs, tmp_path):
@@ -147,7 +148,7 @@ def test_an_endpoint_error_comes_back_grouped_with_its_rank_and_the_actors_keep_
     assert "errors.fail_on failed on 1 of 4 ranks" in text and "rank 2" in text, text
     assert "ValueError: no counting on gpu 2" in text and "in fail_on" in text
     assert "worker/actors.py" not in text  # our plumbing is left out of the traceback
-    assert list(c.fail_on.call(9).get()) == [7] * 4  # the same actors answer again
+    assert c.fail_on.call(9).get().values() == [7] * 4  # the same actors answer again
 
 
 def test_broadcasts_interleaved_with_calls_and_slices_keep_their_order(procs):
@@ -160,7 +161,7 @@ def test_broadcasts_interleaved_with_calls_and_slices_keep_their_order(procs):
     f = c.incr.call(2000)  # a call: every queued broadcast goes first
     c.incr.broadcast(3000)
     f.get()
-    history = list(c.history.call().get())
+    history = c.history.call().get().values()
     assert history[0] == history[1] == [*range(300), 1000, 2000, 3000]
     assert history[2] == history[3] == [*range(300), 2000, 3000]
 
@@ -178,7 +179,7 @@ def test_a_broadcasts_arguments_are_taken_when_it_is_made(procs):
     payload = [1, 2, 3]
     c.record.broadcast(payload)
     payload.append(4)  # after the broadcast: not what the actors get
-    assert list(c.recorded.call().get()) == [[[1, 2, 3]]] * 4
+    assert c.recorded.call().get().values() == [[[1, 2, 3]]] * 4
 
 
 def test_broadcasts_made_just_before_the_mesh_exits_still_run(tmp_path):
@@ -209,22 +210,30 @@ def test_bad_spawns_and_calls_say_what_is_wrong(procs):
         procs.spawn("plain", dict)
     with pytest.raises(ValueError, match=r"give the actors a name"):
         procs.spawn("", Counter, 0)
-    procs.spawn("twice", Counter, 0)
-    with pytest.raises(monarch.RemoteError, match=r"an actor named 'twice' already runs on this process"):
-        procs.spawn("twice", Counter, 0)
+    first = procs.spawn("twice", Counter, 0)
+    second = procs.spawn("twice", Counter, 10)  # a name spawned again (Monarch allows it): actors of their own
+    assert first.incr.call(1).get().values() == [1] * 4 and second.incr.call(1).get().values() == [11] * 4
+    assert second.name == "twice#2" and first.incr.call(0).get().values() == [1] * 4
     with pytest.raises(
         monarch.RemoteError, match=r"(?s)twice2.__init__ failed on 4 of 4 ranks.*missing 1 required positional argument"
     ):
         procs.spawn("twice2", Counter)  # the constructor's own error, raised at spawn
     c = procs.spawn("bad", Counter, 0)
-    with pytest.raises(AttributeError, match=r"Counter has no endpoint 'not_an_endpoint' \(its endpoints: .*incr"):
-        c.not_an_endpoint  # noqa: B018
-    with pytest.raises(ValueError, match=r"call_one\(\) needs exactly one actor; 'bad' here is \{gpu: 4\}"):
+    with pytest.raises(AttributeError, match=r"Counter has no endpoint 'nothing' \(its endpoints: .*incr"):
+        c.nothing  # noqa: B018
+    with pytest.raises(RuntimeError, match=r"Counter.not_an_endpoint is not annotated as an endpoint.*as_endpoint"):
+        c.not_an_endpoint()  # a plain method: Monarch's message, and as_endpoint() calls it as one
+    with pytest.raises(ValueError, match=r"call_one\(\) needs exactly one actor; bad.incr here is on \{gpu: 4\}"):
         c.incr.call_one()
     with pytest.raises(TypeError, match=r"call an endpoint with an adverb"):
         c.incr()
     # sent to a live function, an actor mesh is a reference the function can call (test_actor_refs.py)
-    assert sorted(monarch.remote(lambda m: m.slice(gpu=0).incr.call_one(5).get()).on(procs)(c)) == [5, 10, 15, 20]
+    assert sorted(monarch.remote(lambda m: m.slice(gpu=0).incr.call_one(5).get()).on(procs)(c).values()) == [
+        5,
+        10,
+        15,
+        20,
+    ]
 
 
 def test_stopped_actors_are_gone_from_their_processes(procs):
@@ -324,13 +333,13 @@ def test_in_the_notebook_pdb_serves_an_endpoint_and_ctrl_c_interrupts_a_waiting_
         k.interrupt_when(lambda: started(marker, 2), "snooze running on both actors")
         r = k.run(f"steppers.snooze.call({marker!r}).get()", timeout=30)
         assert r.status == "error" and "KeyboardInterrupt" in r.text() and "time.sleep(60)" in r.text(), r.text()
-        r = k.run("list(steppers.ping.call().get())")
+        r = k.run("steppers.ping.call().get().values()")
         assert r.status == "ok" and "['pong', 'pong']" in r.text(), r.text()
         assert k.run("procs.exit()").status == "ok"
         # actors on the mesh `%%mesh` cells run on, beside the cells' namespace
         assert k.run("%%mesh gpu=2\nx = 10 * rank").status == "ok"
         r = k.run("cells = get_ipython().run_line_magic('mesh', 'status').mesh\n"
-                  "list(cells.spawn('pingers', Stepper).ping.call().get())")  # fmt: skip
+                  "cells.spawn('pingers', Stepper).ping.call().get().values()")  # fmt: skip
         assert r.status == "ok" and "['pong', 'pong']" in r.text(), r.text()
         r = k.run("%%mesh\nx")
         assert r.status == "ok" and "gpu=1        10" in r.text(), r.text()  # the namespace survived the actors
@@ -371,7 +380,7 @@ def test_torchrun_style_code_runs_in_actors_after_setup_torch_elastic_env():
             (str(r), "3", "127.0.0.1") for r in range(3)
         ]
         assert len({e["MASTER_PORT"] for e in envs}) == 1
-        assert list(trainers.train.call().get()) == [3.0] * 3  # its own default group: 0 + 1 + 2
+        assert trainers.train.call().get().values() == [3.0] * 3  # its own default group: 0 + 1 + 2
         with pytest.raises(monarch.RemoteError, match=r"handed over to torchrun-style code"):
             monarch.remote(lambda g: g).on(mesh)(mesh.process_group("gpu"))
     finally:

@@ -56,10 +56,10 @@ def test_monarchs_getting_started_runs_as_its_users_write_it(job, tmp_path):
     assert "Counter value: 0" in out
     assert "values: [2, 2, 2, 2, 1, 1, 1, 1]" in out  # the broadcasts ran, in the order sent, before the call
     assert "hosts: {'host': 2}" in out
-    assert "Process mesh extent: {'host': 2, 'gpus': 4}" in out
+    assert "Process mesh extent: {host: 2, gpus: 4}" in out  # (an Extent, printed as Monarch prints it)
     for h in range(2):
         for g in range(4):
-            assert f"Trainer {{'host': {h}, 'gpus': {g}}} taking a step." in out, out
+            assert f"Trainer {{'host': {h}/2, 'gpus': {g}/4}} taking a step." in out, out  # (a Point, likewise)
     assert out.count("'Step with data <fake data 1> and input = None'") == 8, out  # each trainer's own loader
     assert "It didn't say hello" in out and out.rstrip().endswith("done"), out
     wait_for(lambda: not _monarch_procs(str(tmp_path)), 10, "the script's workers gone with it")
@@ -87,12 +87,12 @@ class Asker(Actor):
 
     @endpoint
     def ask_everyone(self) -> list:
-        return list(self.others.host.call().get())
+        return self.others.host.call().get().values()
 
 
 def test_call_reaches_2_hosts_x_4_through_their_agents(procs):
     where = procs.spawn("where", Where)
-    got = where.host.call().get()
+    got = where.host.call().get().values()
     assert [(h, g) for h, g, _ in got] == [(h, g) for h in range(2) for g in range(4)]
     assert {name for h, _, name in got if h == 0} == {"node1"}
     assert {name for h, _, name in got if h == 1} == {"node2"}
@@ -102,7 +102,7 @@ def test_call_reaches_2_hosts_x_4_through_their_agents(procs):
 def test_actors_call_actors_on_the_other_host_over_curve(procs):
     where = procs.spawn("where2", Where)
     askers = procs.spawn("askers", Asker, where)
-    got = askers.ask_other_host.call().get()
+    got = askers.ask_other_host.call().get().values()
     assert [(h, g, name) for h, g, name in got] == [(1 - h, g, f"node{2 - h}") for h in range(2) for g in range(4)]
     assert len(askers.slice(host=0, gpu=0).ask_everyone.call_one().get()) == 8
     inbox = where._inboxes[0]

@@ -70,9 +70,9 @@ def _ancestors(pid: int) -> list[int]:
 
 def test_a_mesh_on_two_hosts_runs_collectives_over_host_and_gpu(job, mesh):
     assert mesh.sizes == {"host": 2, "gpu": 2}
-    assert list(where.on(mesh)()) == [6.0] * 4
-    assert list(where.on(mesh)(mesh.process_group("gpu"))) == [1.0, 1.0, 5.0, 5.0]
-    assert list(where.on(mesh)(mesh.process_group("host"))) == [2.0, 4.0, 2.0, 4.0]
+    assert where.on(mesh)().values() == [6.0] * 4
+    assert where.on(mesh)(mesh.process_group("gpu")).values() == [1.0, 1.0, 5.0, 5.0]
+    assert where.on(mesh)(mesh.process_group("host")).values() == [2.0, 4.0, 2.0, 4.0]
     # each host's workers were forked by that host's agent (through its own fork server)
     for rank, pid in enumerate(worker_pids(mesh)):
         assert job.pids[rank // 2] in _ancestors(pid)
@@ -102,13 +102,13 @@ def test_the_workspace_travels_by_changed_file_and_changed_modules_reload(job, m
 
         return udf.version(), os.getcwd()
 
-    got = list(use.on(mesh)())
+    got = use.on(mesh)().values()
     assert [v for v, _ in got] == [1] * 4
     assert {cwd for _, cwd in got} == {str(job.workspaces[0]), str(job.workspaces[1])}  # each host its own copy
     (job.source / "udf.py").write_text("def version():\n    return 2\n")
     changed = mesh.sync_workspace()
     assert sorted(changed.values()) == [["udf.py"], ["udf.py"]]  # the unchanged file did not travel
-    assert [v for v, _ in use.on(mesh)()] == [2] * 4  # reloaded, no new reservation
+    assert [v for v, _ in use.on(mesh)().values()] == [2] * 4  # reloaded, no new reservation
     (job.source / "data.txt").unlink()
     assert sorted(mesh.sync_workspace().values()) == [["data.txt"], ["data.txt"]]
     assert not (job.workspaces[1] / "data.txt").exists()
@@ -144,7 +144,7 @@ def test_a_stranger_without_the_jobs_key_gets_no_answer(job, mesh):
     s.send_multipart(codec.encode(os.urandom(32), protocol.LINK, -1, 1, protocol.pack(protocol.AgentHello("x"))))
     assert s.poll(1000) == 0
     s.close(0)
-    assert list(where.on(mesh)()) == [6.0] * 4  # the agents serve on
+    assert where.on(mesh)().values() == [6.0] * 4  # the agents serve on
 
 
 CONTROLLER = textwrap.dedent(
@@ -178,7 +178,7 @@ def test_the_agents_end_the_workers_of_a_controller_that_died_and_serve_the_next
         print(f"attach and start after a controller died: {time.monotonic() - t0:.2f} s")
         fresh = worker_pids(mesh)
         assert set(fresh).isdisjoint(pids) and all(pid_alive(p) for p in j.pids)  # the same agents
-        assert list(where.on(mesh)()) == [1.0, 1.0]
+        assert where.on(mesh)().values() == [1.0, 1.0]
         mesh.exit()
     finally:
         assert j.stop() == []
@@ -207,7 +207,7 @@ def test_a_host_whose_agent_dies_is_named_and_other_meshes_keep_working(tmp_path
         print(f"agent killed: the call raised after {time.monotonic() - t0:.2f} s")
         assert "is on host" in str(e.value) and "(127.0.0.2)" in str(e.value), str(e.value)
         assert wait_gone(pids, 10) == []  # the lost host's workers went with their agent, the others were stopped
-        assert list(where.on(local)()) == [1.0, 1.0]  # this machine's mesh is untouched
+        assert where.on(local)().values() == [1.0, 1.0]  # this machine's mesh is untouched
         with pytest.raises(ConnectionError, match=r"the agent on \S+ \(127.0.0.2\) is not listening"):
             mesh.respawn()
     finally:
@@ -237,7 +237,7 @@ def test_one_rank_failing_before_a_collective_releases_the_ranks_on_other_hosts_
         text = str(e.value)
         assert "bad input shape on rank 1" in text
         assert "ranks 0, 2-3 were released from all_reduce" in text, text
-        assert list(where.on(mesh)()) == [6.0] * 4 and worker_pids(mesh) == pids  # the groups re-formed
+        assert where.on(mesh)().values() == [6.0] * 4 and worker_pids(mesh) == pids  # the groups re-formed
 
 
 @pytest.mark.gpu
@@ -263,13 +263,13 @@ def test_an_agents_workers_own_its_gpus_and_reduce_over_nccl(tmp_path):
             dist.all_reduce(t)
             return str(t.device), t[0].item(), dist.get_backend()
 
-        res = list(nccl_sum.on(mesh)())
+        res = nccl_sum.on(mesh)().values()
         assert [d for d, _, _ in res] == [f"cuda:{i}" for i in range(n)]
         assert {s for _, s, _ in res} == {float(sum(range(n)))} and all("cuda:nccl" in b for *_, b in res)
         if n > 1:
             with pytest.raises(monarch.RemoteError, match="were released from all_reduce"):
                 nccl_sum.on(mesh)(fail_rank=1)
-            assert {s for _, s, _ in nccl_sum.on(mesh)()} == {float(sum(range(n)))}
+            assert {s for _, s, _ in nccl_sum.on(mesh)().values()} == {float(sum(range(n)))}
     finally:
         if mesh is not None:
             mesh.exit()

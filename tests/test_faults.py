@@ -54,7 +54,7 @@ def test_worker_sigkill_mid_call_fails_the_call_and_mesh_respawns(tmp_path):
     with pytest.raises(WorkerDiedError, match="rank 2"):
         rank.on(mesh)()  # later calls say why, at once
     fresh = mesh.respawn()
-    assert list(rank.on(fresh)()) == [0, 1, 2, 3]
+    assert rank.on(fresh)().values() == [0, 1, 2, 3]
     new_pids = worker_pids(fresh)
     fresh.exit()
     assert wait_gone(new_pids) == []
@@ -231,7 +231,7 @@ INTERRUPTED = textwrap.dedent(
     @monarch.remote
     def ok():
         return 1
-    print("NEXT", list(ok.on(mesh)()), flush=True)
+    print("NEXT", ok.on(mesh)().values(), flush=True)
     mesh.exit()
     """
 )
@@ -326,7 +326,7 @@ def test_ctrl_c_while_a_reply_is_being_handled_does_not_lose_it():
         with pytest.raises(KeyboardInterrupt):
             slow.on(mesh)()
         stop.set()
-        assert [float(t.sum()) for t in pending.result(timeout=20)] == [16e6, 16e6]
+        assert [float(t.sum()) for t in pending.result(timeout=20).values()] == [16e6, 16e6]
     finally:
         mesh.exit()
 
@@ -370,7 +370,7 @@ def test_ctrl_c_on_a_call_queued_behind_another_threads_call_leaves_that_call_al
 
     try:
         results = []
-        other = threading.Thread(target=lambda: results.append(list(slow.on(mesh)(marks, str(release)))))
+        other = threading.Thread(target=lambda: results.append(slow.on(mesh)(marks, str(release)).values()))
         other.start()
         wait_for(lambda: started(marks, 2), what="slow running on both workers")
         threading.Thread(target=ctrl_c_once_the_queued_call_waits, daemon=True).start()
@@ -384,7 +384,7 @@ def test_ctrl_c_on_a_call_queued_behind_another_threads_call_leaves_that_call_al
         other.join(10)
         assert results == [["slow done", "slow done"]]  # the other thread's call was not interrupted
         # each worker takes calls in order: once the next one has run, the interrupted one has been passed
-        assert list(touch.on(mesh)(str(after))) == ["touched", "touched"]  # (its function stays shipped)
+        assert touch.on(mesh)(str(after)).values() == ["touched", "touched"]  # (its function stays shipped)
         assert after.exists() and not marker.exists()  # the interrupted call was skipped
     finally:
         mesh.exit()
@@ -413,7 +413,7 @@ def test_ctrl_c_while_a_call_starts_interrupts_it_on_the_workers(tmp_path):
     def mesh_busy() -> bool:
         return any(s == "busy" for s in mesh.status())
 
-    assert list(sleep.on(mesh)(0)) == [0, 0]  # (shipped: what is interrupted is the call, not a slow first load)
+    assert sleep.on(mesh)(0).values() == [0, 0]  # (shipped: what is interrupted is the call, not a slow first load)
     stop = mesh.on_change(press_as_the_call_starts)
     before = signal.getsignal(signal.SIGINT)
     try:
@@ -427,7 +427,7 @@ def test_ctrl_c_while_a_call_starts_interrupts_it_on_the_workers(tmp_path):
                 got = e
             assert isinstance(got, RemoteInterrupt), repr(got)
             assert got.busy == [] and "ranks 0-1" in str(got), str(got)  # each worker said where it was
-            assert list(rank.on(mesh)()) == [0, 1]  # the workers are not left sleeping (not "mesh busy")
+            assert rank.on(mesh)().values() == [0, 1]  # the workers are not left sleeping (not "mesh busy")
         assert len(presses) == 2
     finally:
         stop()

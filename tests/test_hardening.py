@@ -112,7 +112,7 @@ def echo(x):
 def test_another_user_cannot_reach_the_store_or_the_sockets_of_a_local_mesh(mesh):
     """The store was a TCPStore on every interface taking keys from anyone. Now nothing of the controller
     listens on TCP in IPC mode, and its sockets sit in a directory another user cannot open."""
-    list(echo.on(mesh)(1))
+    echo.on(mesh)(1).values()
     backend = get_controller().backend
     assert not (_socket_inodes(os.getpid()) & _listening_tcp_inodes()), "the controller listens on TCP"
     store_path = backend.transport.store_addr.removeprefix("ipc://")
@@ -121,7 +121,7 @@ def test_another_user_cannot_reach_the_store_or_the_sockets_of_a_local_mesh(mesh
     lanes_path = backend.transport.lanes.path  # (the workers' lanes: wire/lanes.py)
     assert os.path.dirname(lanes_path) == backend.dir
     assert result_of(as_nobody("lane", lanes_path)) == {"connect": "refused"}
-    assert list(echo.on(mesh)(2)) == [2] * len(mesh)
+    assert echo.on(mesh)(2).values() == [2] * len(mesh)
 
 
 @root_only
@@ -183,7 +183,7 @@ def test_another_user_can_neither_read_commands_nor_use_the_store_over_tcp():
         attacker = as_nobody("tcp_mesh", *args)
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline:  # commands with the secret go out while the stranger listens
-            assert list(echo.on(mesh)(secret)) == [len(secret)] * 2
+            assert echo.on(mesh)(secret).values() == [len(secret)] * 2
             time.sleep(0.05)
         assert result_of(attacker) == {"received": 0, "saw_secret": False, "store_answered": False}
         pids = [i["pid"] for i in spawned.info]
@@ -209,14 +209,14 @@ def test_fake_subscriptions_upstream_junk_and_a_never_reading_subscriber_change_
     junk = ctx.socket(zmq.PUSH)  # forged and garbage replies
     junk.connect(transport.reply_addr)
     try:
-        list(echo.on(mesh)(1))
+        echo.on(mesh)(1).values()
         before = _rss_mib()
         for _ in range(20):
             attacker.send(b"\x07" * (10 << 20), copy=False)  # 200 MB of junk up the command socket
         for i in range(2000):
             junk.send(b"x" * (i % 50))
         for _ in range(40):  # 800 MB of arguments, each a fresh object: kept if queued for the attacker
-            assert list(echo.on(mesh)(b"\0" * (20 << 20))) == [20 << 20] * 2
+            assert echo.on(mesh)(b"\0" * (20 << 20)).values() == [20 << 20] * 2
         # The monitor drains the command socket twice a second: once it has, the controller holds nothing of
         # the junk nor of the arguments (queued without bound, they would never be given back).
         wait_for(
@@ -224,7 +224,7 @@ def test_fake_subscriptions_upstream_junk_and_a_never_reading_subscriber_change_
         )
         assert not attacker.poll(200), "the fake subscriber received a command"
         again = this_host().spawn_procs({"gpu": 2})  # spawning still works
-        assert list(echo.on(again)(3)) == [3, 3]
+        assert echo.on(again)(3).values() == [3, 3]
         again_pids = worker_pids(again)
         again.exit()
     finally:
@@ -279,11 +279,11 @@ def test_a_replayed_reply_is_refused(capfd):
     out.connect(transport.reply_addr)
     printed = []  # what was printed so far (readouterr() takes it)
     try:
-        list(echo.on(mesh)(1))
+        echo.on(mesh)(1).values()
         seen = transport._meshes[mesh.spawned.mesh_id].seen[0]
         stale = codec.encode(key, mesh.spawned.mesh_id, 0, seen, protocol.pack(protocol.Output(None, "stdout", "X\n")))
         out.send_multipart(stale)
-        list(echo.on(mesh)(2))
+        echo.on(mesh)(2).values()
         wait_for(
             lambda: printed.append(capfd.readouterr()) or any("dropped a replayed message" in c.err for c in printed),
             what="the replayed reply to be dropped",

@@ -106,7 +106,7 @@ def test_mesh_line_status_pull_push(kernel: Kernel):
     assert kernel.run("z = 'pushed'\n%mesh push z").status == "ok"
     assert kernel.run("%%mesh\nz2 = z + str(rank)").status == "ok"
     assert kernel.run("%mesh pull z2").status == "ok"
-    assert kernel.value("list(z2)") == [f"pushed{g}" for g in range(4)]
+    assert kernel.value("z2.values()") == [f"pushed{g}" for g in range(4)]
     bad = kernel.run("%mesh pull nope")
     assert bad.status == "error" and "'nope' is not defined in this worker's namespace" in bad.text()
     # after a cell on a slice, `%mesh` still shows the whole mesh
@@ -415,7 +415,7 @@ def test_mesh_variable_and_saved_handle(kernel: Kernel):
     assert kernel.run(setup).status == "ok"
     r = kernel.run("%%mesh pair --save run\ncoords['host'] * 7")
     assert r.status == "ok", r.text()
-    assert kernel.value("list(run.result())") == [0, 7]
+    assert kernel.value("run.result().values()") == [0, 7]
     assert kernel.value("run.done()") is True and kernel.value("run.mesh.sizes") == {"host": 2}
     r = kernel.run("%%mesh pair --on host=1\nprint('only', rank, coords)")  # an index drops the dimension
     assert r.final_outputs()[0]["text/plain"] == "[host=1] only 1 {}"
@@ -509,7 +509,7 @@ def test_the_kernel_starts_the_fork_server_before_the_first_cell_and_it_preloads
         wait_for(lambda: _fork_server_of(k.pid), what="the kernel's fork server")
         code = (
             "import monarch, sys\nfrom monarch.actor import this_host\nm = this_host().spawn_procs({'gpu': 2})\n"
-            "print(list(monarch.remote(lambda: 'IPython.display' in sys.modules).on(m)()))\nm.exit()"
+            "print(monarch.remote(lambda: 'IPython.display' in sys.modules).on(m)().values())\nm.exit()"
         )
         r = k.run(code)
         assert r.status == "ok" and "[True, True]" in r.text(), r.text()

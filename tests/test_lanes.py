@@ -269,12 +269,12 @@ def test_local_workers_talk_over_lanes_unless_told_not_to(use_lanes):
         spawned = ctl.spawn({"gpu": 3})
         mesh = ProcMesh(spawned, spawned.shape)
         pids = [i["pid"] for i in spawned.info]
-        assert list(on_a_lane.on(mesh)()) == [use_lanes] * 3
+        assert on_a_lane.on(mesh)().values() == [use_lanes] * 3
         bound = ctl.backend.transport._meshes[spawned.mesh_id].lanes
         assert (bound is not None and all(lane is not None for lane in bound)) == use_lanes
         blob = os.urandom(3 << 20)  # a large argument and result both ways
-        assert list(take.on(mesh)(blob)) == [len(blob)] * 3
-        assert list(take.on(mesh.slice(gpu=1))(b"x")) == [1]  # to one worker
+        assert take.on(mesh)(blob).values() == [len(blob)] * 3
+        assert take.on(mesh.slice(gpu=1))(b"x").values() == [1]  # to one worker
         mesh.exit()
     finally:
         ctl.shutdown()
@@ -316,7 +316,7 @@ def test_a_lane_that_goes_corrupt_ends_its_worker_and_the_mesh_fails_naming_it()
             lane.sock.setblocking(False)
         wait_for(lambda: mesh.status()[0] == "failed", what="rank 0 to be reported lost")
         with pytest.raises(WorkerDiedError, match=r"rank 0 \(gpu=0\)"):
-            list(take.on(mesh)(b"x"))
+            take.on(mesh)(b"x").values()
     finally:
         ctl.shutdown()
     assert wait_gone(pids) == []

@@ -46,7 +46,7 @@ def test_a_reduce_larger_than_its_slots_is_exact_in_every_dtype(mesh):
     assert monarch.inspect(halves, host=0, gpu=1).tolist() == [0.25] * 1000
     out = monarch.inspect(small, host=1, gpu=1)
     assert out.dtype == torch.int32 and out.tolist() == [7]
-    assert list(_local_reducers.on(mesh)()) == [3] * 4  # (world, gpu, host): each went through memory
+    assert _local_reducers.on(mesh)().values() == [3] * 4  # (world, gpu, host): each went through memory
 
 
 def _rank(rank: int, n: int, path: str, role: str, out: mp.Queue) -> None:

@@ -67,7 +67,7 @@ def test_a_snapshot_per_rank_holds_the_known_tensor_with_the_users_line(mesh2, t
         monarch.memory.record_memory_history()
         t = torch.zeros(N, dtype=torch.float32)  # the tensor engine's line
         engine_line = inspect.currentframe().f_lineno - 1
-        ptrs = list(held.on(mesh2)("make"))
+        ptrs = held.on(mesh2)("make").values()
         snaps = monarch.memory.dump_memory_snapshot(dir_snapshots=str(out))
     assert isinstance(snaps, MemorySnapshots) and t.shape == (N,)
     assert sorted(os.listdir(out)) == ["snapshot_rank0.pickle", "snapshot_rank1.pickle"]
@@ -124,7 +124,7 @@ def test_on_a_worker_it_snapshots_that_worker(mesh2, tmp_path):
         monarch.memory.record_memory_history(None)
         return x.untyped_storage().data_ptr(), snaps
 
-    results = list(own.on(mesh2)(str(tmp_path)))
+    results = own.on(mesh2)(str(tmp_path)).values()
     for rank, (ptr, snaps) in enumerate(results):
         assert [r.rank for r in snaps.ranks] == [rank] and snaps.paths[rank] == str(
             tmp_path / f"snapshot_rank{rank}.pickle"
@@ -159,7 +159,7 @@ def test_clear_errors(mesh2, monkeypatch, tmp_path):
             except RuntimeError as e:
                 return str(e)
 
-    (msg, _) = inside_a_profile.on(mesh2)()
+    (msg, _) = inside_a_profile.on(mesh2)().values()
     assert "a torch profiler is running" in msg and "one profile at a time" in msg
 
     # in a notebook, the %%mesh cells' mesh is the default

@@ -35,7 +35,7 @@ def test_spawn_2x4_coordinates(mesh8):
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         # (8 workers on this machine: each its own GPU where there are 8, else all on the CPU, as NCCL wants)
         assert v["device"] == (f"cuda:{v['rank']}" if gpus >= 8 else "cpu")
-    assert len({v["pid"] for v in info}) == 8
+    assert len({v["pid"] for v in info.values()}) == 8
 
 
 def test_views_share_workers_and_have_their_own_coordinates(mesh8):
@@ -49,10 +49,10 @@ def test_views_share_workers_and_have_their_own_coordinates(mesh8):
     stage1 = split.slice(pp=1)
     assert stage1.sizes == {"dp": 1, "tp": 4}
     res = whoami.on(stage1)()
-    assert [v["rank"] for v in res] == [4, 5, 6, 7]
+    assert [v["rank"] for v in res.values()] == [4, 5, 6, 7]
     assert res.item(dp=0, tp=2)["view"] == {"dp": 0, "tp": 2}
     part = mesh8.slice(gpu=range(1, 3))
-    assert [v["rank"] for v in whoami.on(part)()] == [1, 2, 5, 6]
+    assert [v["rank"] for v in whoami.on(part)().values()] == [1, 2, 5, 6]
     flat = mesh8.slice(gpu=slice(0, 4, 2)).flatten("w")
     assert [(c, v["rank"]) for c, v in whoami.on(flat)().items()] == [({"w": i}, r) for i, r in enumerate([0, 2, 4, 6])]
 
@@ -62,15 +62,15 @@ def test_all_reduce_over_one_dimension(mesh8):
     assert gpu.item(host=0, gpu=2) == (0 + 1 + 2 + 3, 4)
     assert gpu.item(host=1, gpu=0) == (4 + 5 + 6 + 7, 4)
     host = all_reduce_rank.on(mesh8)(mesh8.process_group("host"))
-    assert [v for v, _ in host] == [4.0, 6.0, 8.0, 10.0] * 2
+    assert [v for v, _ in host.values()] == [4.0, 6.0, 8.0, 10.0] * 2
     world = all_reduce_rank.on(mesh8)(mesh8.process_group(("host", "gpu")))
-    assert set(world) == {(28.0, 8)}
+    assert set(world.values()) == {(28.0, 8)}
 
 
 def test_group_on_a_renamed_slice(mesh8):
     view = mesh8.split(host=("dp", "pp"), gpu=("tp",), pp=2).slice(pp=1)
     res = all_reduce_rank.on(view)(view.process_group("tp"))
-    assert list(res) == [(22.0, 4)] * 4
+    assert res.values() == [(22.0, 4)] * 4
     # the same partition asked for again is the same group, not a new one
     again = view.process_group("tp")
     assert all_reduce_rank.on(view)(again).item(dp=0, tp=0) == (22.0, 4)
@@ -112,7 +112,7 @@ def test_nccl_all_reduce_on_gpus():
         return str(t.device), t[0].item(), dist.get_backend()
 
     try:
-        res = list(nccl_sum.on(mesh)())
+        res = nccl_sum.on(mesh)().values()
         assert [d for d, _, _ in res] == [f"cuda:{i}" for i in range(n)]
         assert {s for _, s, _ in res} == {float(sum(range(n)))}
     finally:
@@ -126,6 +126,6 @@ def test_exit_lets_every_worker_finish_by_itself():
 
     mesh = this_host().spawn_procs({"host": 2, "gpu": 2})
     group = mesh.process_group("gpu")  # a group made later, and the store connections behind it
-    assert [s for s, _ in all_reduce_rank.on(mesh)(group)] == [1.0, 1.0, 5.0, 5.0]
+    assert [s for s, _ in all_reduce_rank.on(mesh)(group).values()] == [1.0, 1.0, 5.0, 5.0]
     mesh.exit()
     assert mesh.spawned.exit_codes == {0: 0, 1: 0, 2: 0, 3: 0}

@@ -196,7 +196,7 @@ def test_the_store_drops_a_mesh_keys_when_it_stops():
     for _ in range(3):
         a = this_host().spawn_procs({"host": 2, "gpu": 2})
         b = this_host().spawn_procs({"host": 2, "gpu": 2})
-        assert list(_sum_over.on(a)(a.process_group("gpu"))) == [2.0] * 4
+        assert _sum_over.on(a)(a.process_group("gpu")).values() == [2.0] * 4
         with a.activate():
             x = torch.ones(2)
         moved = x.to_mesh(b)  # a link between the two meshes, per rank
@@ -229,7 +229,7 @@ def test_attaching_to_a_job_again_and_again_leaks_no_descriptors(tmp_path):
 
         def attach_spawn_exit():
             m = monarch.notebook.job("fds").spawn_procs({"gpu": 1})
-            assert list(_sum_over.on(m)(m.process_group("host"))) == [2.0, 2.0]
+            assert _sum_over.on(m)(m.process_group("host")).values() == [2.0, 2.0]
             m.exit()  # the job's last mesh here: the controller detaches
 
         attach_spawn_exit()  # (the first attach makes what every later one shares)

@@ -85,11 +85,11 @@ def test_a_reserved_job_runs_live_functions_collectives_and_tensors_across_hosts
     mesh = job.spawn_procs({"gpu": 2})
     print(f"attach + first spawn on 2 hosts x 2: {time.monotonic() - t0:.2f} s")
     try:
-        got = list(whereabouts.on(mesh)())
+        got = whereabouts.on(mesh)().values()
         assert [(h, a) for h, a, _ in got] == [("node1", "10.77.0.11")] * 2 + [("node2", "10.77.0.12")] * 2
         assert {s for _, _, s in got} == {6.0}
-        assert [s for *_, s in whereabouts.on(mesh)(mesh.process_group("gpu"))] == [1.0, 1.0, 5.0, 5.0]
-        assert [s for *_, s in whereabouts.on(mesh)(mesh.process_group("host"))] == [2.0, 4.0, 2.0, 4.0]
+        assert [s for *_, s in whereabouts.on(mesh)(mesh.process_group("gpu")).values()] == [1.0, 1.0, 5.0, 5.0]
+        assert [s for *_, s in whereabouts.on(mesh)(mesh.process_group("host")).values()] == [2.0, 4.0, 2.0, 4.0]
         with mesh.activate():
             r = torch.full((4,), 1.0).reduce("host", "sum")
         assert torch.equal(monarch.inspect(r, host=1, gpu=1), torch.full((4,), 2.0))
@@ -100,7 +100,7 @@ def test_a_reserved_job_runs_live_functions_collectives_and_tensors_across_hosts
         # rank 1 (node1) fails before all_reduce: the ranks waiting on node1 and node2 are released
         with pytest.raises(monarch.RemoteError, match=r"(?s)rank 1 fails.*ranks 0, 2-3 were released from all_reduce"):
             whereabouts.on(mesh)(fail_rank=1)
-        assert {s for *_, s in whereabouts.on(mesh)()} == {6.0}  # the groups re-formed
+        assert {s for *_, s in whereabouts.on(mesh)().values()} == {6.0}  # the groups re-formed
     finally:
         pids = worker_pids(mesh)
         mesh.exit()
@@ -119,12 +119,12 @@ def test_the_workspace_reaches_each_host_and_an_edit_runs_after_a_sync(job, work
 
             return steps.step(1), os.path.dirname(steps.__file__)
 
-        got = list(run.on(mesh)())
+        got = run.on(mesh)().values()
         assert [v for v, _ in got] == [2, 2]
         assert got[0][1] != got[1][1] and all("node" in d for _, d in got)  # each host's own copy
         (workspace / "steps.py").write_text("def step(x):\n    return x * 10\n")
         assert list(mesh.sync_workspace().values()) == [["steps.py"], ["steps.py"]]
-        assert [v for v, _ in run.on(mesh)()] == [10, 10]
+        assert [v for v, _ in run.on(mesh)().values()] == [10, 10]
     finally:
         mesh.exit()
 
@@ -170,13 +170,13 @@ def test_a_host_whose_link_goes_down_is_named_within_seconds_and_the_rest_works(
             fut.result(timeout=3 * HEARTBEAT_TIMEOUT)
         print(f"link down: the call raised after {time.monotonic() - t0:.1f} s")
         assert "host node2 (10.77.0.12)" in str(e.value) and "stopped answering" in str(e.value), str(e.value)
-        assert list(whereabouts.on(local)())[0][2] == 0.0  # other meshes are untouched
+        assert whereabouts.on(local)().values()[0][2] == 0.0  # other meshes are untouched
     finally:
         cluster.link(1, up=True)
         local.exit()
     # back up: attaching again works (a new link), with fresh workers on both hosts
     again = job.spawn_procs({"gpu": 1})
-    assert [h for h, *_ in whereabouts.on(again)()] == ["node1", "node2"]
+    assert [h for h, *_ in whereabouts.on(again)().values()] == ["node1", "node2"]
     again.exit()
 
 
@@ -280,6 +280,44 @@ def test_the_slurm_notebook_runs(cluster, tmp_path):
     while not _only_slurmd(new_ones()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _only_slurmd(new_ones())  # the notebook's agents and workers are gone
+
+
+def test_serve_on_slurm_runs_a_torchrun_script_across_hosts_and_job_load_reuses_them(cluster, tmp_path, monkeypatch):
+    """monarch.job.spmd.serve([torchrun --nnodes=2 ...], scheduler="slurm"): a reservation of 2 hosts, the script on
+    2 x 2 workers through SPMDActor with torchrun's environment (tests/test_spmd_actor.py: the same losses as
+    torchrun on one machine), the job cached so that job_load() runs it again on the same hosts."""
+    import json
+
+    from monarch.job.spmd import job_load, serve
+    from monarch.runtime.slurm.jobs import Job
+
+    monkeypatch.chdir(tmp_path)  # (the job's cache, .monarch/, goes there)
+    script = os.path.join(REPO, "tests", "helpers", "spmd_train.py")
+    cmd = ["torchrun", "--nnodes=2", "--nproc-per-node=2", script, "--out", str(tmp_path)]
+    job = serve(cmd, scheduler="slurm", scheduler_cfg={"interface": "eth0", "exclusive": False, "job_name": "spmd"})
+    (name,) = job.hosts_job.reservations.values()
+    agents = [a.pid for a in Job(name).dir.agents()]
+    try:
+        job.run_spmd()
+        got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+        assert [g["host"] for g in got] == ["node1", "node1", "node2", "node2"]
+        assert [[g["env"][k] for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "GROUP_WORLD_SIZE")] for g in got] == [
+            ["0", "0", "0", "2"], ["1", "1", "0", "2"], ["2", "0", "1", "2"], ["3", "1", "1", "2"]]  # fmt: skip
+        assert {g["env"]["MASTER_ADDR"] for g in got} == {"10.77.0.11"}  # node1's address on the bridge
+        assert len({g["ddp"][0] for g in got}) == 4  # (each rank its own data)
+
+        for r in range(4):
+            (tmp_path / f"rank{r}.json").unlink()
+        again = job_load(".monarch/job_state.pkl")
+        assert again.hosts_job.reservations == {"workers": name}  # the same reservation, still up
+        again.run_spmd()
+        assert [json.loads((tmp_path / f"rank{r}.json").read_text())["ddp"] for r in range(4)] == [
+            g["ddp"] for g in got
+        ]
+    finally:
+        job.kill()
+    assert name not in [j["name"] for j in monarch.notebook.list_jobs()]
+    assert wait_gone(agents, 15) == []
 
 
 def test_cleanup_cancels_the_slurm_job_and_every_process_goes(job, cluster):

@@ -128,9 +128,9 @@ def test_a_live_function_where_one_rank_raises_before_a_collective_ends():
         assert e.value.ranks == [2]
         assert sorted(r.rank for r in e.value.released) == [0, 1, 3]
         assert "ranks 0-1, 3 were released from all_reduce at" in str(e.value)
-        assert list(plain_sum.on(mesh)(2.0)) == [8.0] * 4  # groups re-formed: the next collective is right
+        assert plain_sum.on(mesh)(2.0).values() == [8.0] * 4  # groups re-formed: the next collective is right
         group = mesh.process_group("gpu")  # and the dimension groups too
-        assert list(plain_sum_in.on(mesh)(group)) == [2.0] * 4
+        assert plain_sum_in.on(mesh)(group).values() == [2.0] * 4
         assert worker_pids(mesh) == pids
     finally:
         mesh.exit()
@@ -218,7 +218,7 @@ def test_a_live_function_behind_an_interrupted_call_that_still_runs_says_so_at_o
         assert "plain_sum was not started: rank 1 is still running an earlier call on mesh {gpu: 2}" in text, text
         assert "rank 1 (gpu=1) has run stubborn for" in text and "test_spmd_failures.py" in text
         assert "mesh.respawn()" in text
-        assert list(whoami.on(mesh.slice(gpu=0))()) == [0]  # rank 0 is free: calls on it run
+        assert whoami.on(mesh.slice(gpu=0))().values() == [0]  # rank 0 is free: calls on it run
     finally:
         mesh.exit()
     assert wait_gone(pids) == []

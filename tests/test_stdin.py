@@ -27,8 +27,8 @@ SCRIPT = textwrap.dedent(
         return input("name? ")
 
     mesh = this_host().spawn_procs({"gpu": 2})
-    print("RESULT", list(debug_me.on(mesh)()), flush=True)
-    print("NAMES", sorted(ask.on(mesh)()), flush=True)
+    print("RESULT", debug_me.on(mesh)().values(), flush=True)
+    print("NAMES", sorted(ask.on(mesh)().values()), flush=True)
     mesh.exit()
     """
 )
@@ -91,7 +91,7 @@ def test_two_waiting_threads_serve_one_prompt_at_a_time():
     ctl.stdin.prompt = one_box
     try:
         got = []
-        ths = [threading.Thread(target=lambda m=m: got.append(list(ask.on(m)()))) for m in (m1, m2)]
+        ths = [threading.Thread(target=lambda m=m: got.append(ask.on(m)().values())) for m in (m1, m2)]
         [t.start() for t in ths]
         [t.join(30) for t in ths]
         assert got == [["typed"], ["typed"]] and most[0] == 1

@@ -11,7 +11,7 @@ import pytest
 
 import monarch
 import monarch.actor
-from monarch.actor import Actor, MeshFailure, ValueMesh, context, endpoint, this_host, this_proc
+from monarch.actor import Actor, MeshFailure, ValueMesh, context, current_rank, endpoint, this_host, this_proc
 
 from conftest import wait_for, wait_gone, worker_pids
 
@@ -96,10 +96,10 @@ def test_the_adverbs_of_a_local_actor_mesh():
     c = this_proc().spawn("adverbs", Counter, initial_value=5)
     try:
         values = c.get_value.call().get(timeout=10)
-        assert isinstance(values, ValueMesh) and list(values) == [5] and values.sizes == {}
+        assert isinstance(values, ValueMesh) and values.values() == [5] and values.sizes == {}
         c.increment.broadcast(2)
         assert c.get_value.choose().get() == 7
-        assert list(c.get_value.stream()) == [7]
+        assert [f.get() for f in c.get_value.stream()] == [7]
         assert c.slice().get_value.call_one().get() == 7
         assert c.extent == {} and c.sizes == {} and len(c) == 1 and this_proc().extent == {}
         with pytest.raises(ValueError, match=r"this_proc\(\) has no dimensions"):
@@ -118,8 +118,8 @@ def test_context_and_the_actors_own_thread():
         name, rank, message_rank, made_in, thread = c.who.call_one().get()
         assert (name, rank, message_rank, made_in) == ("ctx", {}, {}, "ctx")
         assert thread != threading.current_thread().name
-        with pytest.raises(RuntimeError, match=r"context\(\) is for code running in an actor"):
-            context()
+        client = context()  # outside an actor: the client's context, as Monarch's root client's
+        assert client.actor_instance.name == "client" and client.message_rank == {} and current_rank() == {}
     finally:
         c.stop()
 
@@ -130,7 +130,7 @@ def test_async_endpoints_and_awaiting_local_futures():
         assert c.twice_later.call_one(21).get() == (42, "async")
 
         async def main():
-            return await c.twice_later.call_one(1), list(await c.get_value.call())
+            return await c.twice_later.call_one(1), (await c.get_value.call()).values()
 
         assert asyncio.run(main()) == ((2, "async"), [3])
     finally:
@@ -230,7 +230,7 @@ def test_extent_of_proc_and_actor_meshes():
         assert procs.extent.labels == ["gpus"] and procs.extent.nelem == 2
         counters = procs.spawn("extent", Counter, 0)
         assert counters.extent == {"gpus": 2} and counters.slice(gpus=1).extent == {}
-        assert list(counters.get_value.call().get()) == [0, 0]
+        assert counters.get_value.call().get().values() == [0, 0]
     finally:
         procs.exit()
     assert wait_gone(pids) == []

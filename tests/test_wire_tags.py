@@ -18,7 +18,7 @@ TAGS = {
     "AgentHello": 38, "AgentInfo": 39, "StartWorkers": 40, "SignalWorkers": 41, "StopWorkers": 42,
     "WorkersStopped": 43, "WorkerLost": 44, "SyncOffer": 45, "SyncWant": 46, "SyncFiles": 47, "Synced": 48,
     "Stacks": 49, "Goodbye": 50, "ActorSend": 51, "ActorAnswer": 52, "Cast": 53,
-    "CastFailed": 54,
+    "CastFailed": 54, "PortSend": 55, "CallActor": 56,
 }  # fmt: skip
 """Every message's wire tag. A new message takes a new number; an existing one never changes."""
 
@@ -75,7 +75,7 @@ def test_a_worker_answers_a_request_it_has_no_handler_for_with_an_error():
         assert mesh.state == "running"  # the worker served on
         from monarch import remote
 
-        assert list(remote(os.getpid).on(mesh)()) == [p["pid"] for p in mesh.spawned.info]
+        assert remote(os.getpid).on(mesh)().values() == [p["pid"] for p in mesh.spawned.info]
     finally:
         mesh.exit()
 

@@ -47,7 +47,7 @@ def test_local_workers_run_nice_steps_below_the_controller(nice):
         mesh = ProcMesh(spawned, spawned.shape)
         pids = [i["pid"] for i in spawned.info]
         want = min(mine + nice, 19)
-        for got in priorities.on(mesh)():
+        for got in priorities.on(mesh)().values():
             assert got["main"] == want and got["thread"] == want, got
             if AUTOGROUPS:
                 assert got["autogroup"] == str(nice), got
@@ -82,7 +82,7 @@ def test_local_workers_poll_for_commands_only_with_a_cpu_each_beside_the_control
             os.sched_setaffinity(0, mine)
         mesh = ProcMesh(spawned, spawned.shape)
         pids = [i["pid"] for i in spawned.info]
-        assert list(lane_spin.on(mesh)()) == [want]
+        assert lane_spin.on(mesh)().values() == [want]
         mesh.exit()
     finally:
         ctl.shutdown()

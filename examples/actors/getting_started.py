@@ -38,7 +38,7 @@ procs: ProcMesh = this_host().spawn_procs(per_host={"gpus": 8})
 counters: Counter = procs.spawn("counters", Counter, 0)
 counters.increment.broadcast()
 counters.slice(gpus=slice(0, 4)).increment.broadcast()
-print("values:", list(counters.get_value.call().get()))  # in the order sent: 2 on gpus 0-3, 1 on 4-7
+print("values:", counters.get_value.call().get().values())  # in the order sent: 2 on gpus 0-3, 1 on 4-7
 
 
 # -- several hosts ------------------------------------------------------------------------------------

@@ -14,27 +14,32 @@
     counters.slice(gpu=0).incr.call_one().get()        # exactly one actor: its value
     counters.incr.broadcast()                          # no reply; a failure goes to the mesh's supervisor
     counters.incr.choose().get()                       # one actor, the least busy
-    for value in counters.incr.stream(): ...           # each actor's value as it comes
+    for f in counters.incr.stream(): f.get()           # each actor's answer as it comes
 
 An endpoint call is a live-function call by name of the workers' `monarch.runtime.worker.actors.invoke`: it
 rides the same signed transport, and its output, errors (grouped by kind, with their ranks), interrupts and
-debugger are a live function's.
+debugger are a live function's. The adverbs themselves are declared once, for every kind of endpoint, in
+`common/endpoint.py`.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import itertools
 import threading
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from monarch.runtime import mesh as _mesh
+from monarch.runtime.actors import ports as _ports  # noqa: F401  (installs the controller's port router)
 from monarch.runtime.actors import supervision
 from monarch.runtime.actors.supervision import MeshFailure
-from monarch.runtime.common.actors import Actor, endpoints_of
+from monarch.runtime.common.actors import Actor, endpoints_of, methods_of
+from monarch.runtime.common.endpoint import Adverbs, NotAnEndpoint, One, expose_endpoints
 from monarch.runtime.common.errors import ErrorInfo, RemoteError, group_failures
+from monarch.runtime.common.mesh_trait import MeshTrait
+from monarch.runtime.common.ports import Port
+from monarch.runtime.common.shape import Shape
 from monarch.runtime.mesh import ProcMesh
-from monarch.runtime.values import Future, ValueMesh
+from monarch.runtime.values import Done, Future
 from monarch.runtime.wire import codec
 
 if TYPE_CHECKING:
@@ -43,18 +48,31 @@ if TYPE_CHECKING:
 WORKER = "monarch.runtime.worker.actors"
 REF = "monarch.runtime.worker.actor_ref"
 
+OneFuture = One
+"""The future of one actor's answer (`call_one`, `choose`): `get()` gives its value."""
 
-class ActorMesh:
+
+class ActorMesh(MeshTrait):
     """The actors named `name` on the processes of a proc mesh view; slices like one. Get an endpoint as an
-    attribute (`actors.step`) and call it with an adverb: `call`, `call_one`, `broadcast`, `choose`, `stream`."""
+    attribute (`actors.step`) and call it with an adverb: `call`, `call_one`, `broadcast`, `choose`, `stream`
+    (or `send(actors.step, args, kwargs, port=...)`)."""
 
     def __init__(self, procs: ProcMesh, name: str, cls: type, endpoints: list[str], inboxes: dict[int, Any]):
         self._procs, self._name, self._cls, self._endpoints = procs, name, cls, endpoints
         self._inboxes = inboxes
         """Global rank -> its process's inbox (`wire.actor_end.InboxAddress`), for references sent to actors."""
         self._lock = threading.Lock()
-        self._in_flight: dict[int, int] = {}
+        self._choosing: dict[int, int] = {}
         """Per point of this view (its index), `choose` calls not answered yet."""
+        expose_endpoints(self, endpoints)
+
+    @property
+    def _shape(self) -> Shape:  # type: ignore[override]
+        return self._procs._shape
+
+    def _new_with_shape(self, shape: Shape) -> ActorMesh:
+        procs = self._procs._new_with_shape(shape)
+        return ActorMesh(procs, self._name, self._cls, self._endpoints, self._inboxes)
 
     @property
     def name(self) -> str:
@@ -66,33 +84,28 @@ class ActorMesh:
         return self._procs
 
     @property
-    def sizes(self) -> dict[str, int]:
-        return self._procs.sizes
+    def initialized(self) -> Done[None]:
+        """A future that is done once every actor is constructed (already: `spawn` waits)."""
+        return Done(None)
 
-    extent = property(lambda self: self._procs.extent, doc="`{dimension: size}`, as Monarch prints it.")
+    def _endpoint(self, name: str) -> ActorEndpoint:
+        return ActorEndpoint(self, name)
 
-    def size(self, dim: str | None = None) -> int:
-        return self._procs.size(dim)
-
-    def __len__(self) -> int:
-        return len(self._procs)
-
-    def slice(self, **index: int | range | slice) -> ActorMesh:
-        """The actors of a slice of the mesh, as `ProcMesh.slice` takes it (`slice(gpu=0)`, `slice(**point)`)."""
-        return ActorMesh(self._procs.slice(**index), self._name, self._cls, self._endpoints, self._inboxes)
-
-    def __getattr__(self, attr: str) -> ActorEndpoint:
-        if attr.startswith("__") or attr not in self.__dict__.get("_endpoints", ()):
-            endpoints = ", ".join(self.__dict__.get("_endpoints", ())) or "none"
+    def __getattr__(self, attr: str) -> Any:
+        endpoints = self.__dict__.get("_endpoints", ())
+        if attr.startswith("__") or attr not in endpoints:
             cls = self.__dict__.get("_cls")
+            if cls is not None and not attr.startswith("_") and attr in methods_of(cls):
+                return NotAnEndpoint(self, attr, cls.__name__)
             raise AttributeError(
-                f"{getattr(cls, '__name__', 'the actor')} has no endpoint {attr!r} (its endpoints: {endpoints}; "
-                "mark a method with @endpoint to call it)"
+                f"{getattr(cls, '__name__', 'the actor')} has no endpoint {attr!r} (its endpoints: "
+                f"{', '.join(endpoints) or 'none'}; mark a method with @endpoint to call it)"
             )
-        return ActorEndpoint(self, attr)
+        return self._endpoint(attr)
 
-    def stop(self) -> None:
-        """Stop these actors (each process forgets its object); the processes keep running."""
+    def stop(self, reason: str = "stopped by client") -> Done[None]:
+        """Stop these actors: each process cancels their concurrent calls, runs their `__cleanup__(None)` and
+        forgets them; the processes keep running. Waits; returns a done future (`.get()`, `await`)."""
         procs = self._procs
         _worker_fn("stop", procs).start((self._name,), {}, name=f"{self._name}.stop").result()
         known = procs.spawned.actors
@@ -103,6 +116,7 @@ class ActorMesh:
                 known[self._name] = (cls, left)
             else:
                 del known[self._name]
+        return Done(None)
 
     def owner(self) -> supervision.Owner | None:
         """Who is told of this actor mesh's failures (`monarch.runtime.actors.supervision`)."""
@@ -114,110 +128,76 @@ class ActorMesh:
         controller code never imports worker code)."""
         shape = self._procs._shape
         inboxes = {rank: self._inboxes[rank] for rank in shape.ranks}
-        args = (self._name, self._cls.__name__, self._endpoints, shape, inboxes)
+        args = (self._name, self._cls.__name__, self._endpoints, shape, inboxes, methods_of(self._cls))
         return codec.call_function, (REF, "reference", *args)
 
     def __repr__(self) -> str:
         return f"<ActorMesh {self._name!r} of {self._cls.__name__} on {self._procs.describe()}>"
 
 
-class ActorEndpoint:
-    """One endpoint of an actor mesh; call it with an adverb."""
+class ActorEndpoint(Adverbs[Any, Any]):
+    """One endpoint of an actor mesh; call it with an adverb (`common/endpoint.py`)."""
 
     def __init__(self, actors: ActorMesh, name: str):
         self._actors, self._name = actors, name
 
-    def _start(self, procs: ProcMesh, args: tuple, kwargs: dict) -> Future:
-        a = self._actors
-        fn = _worker_fn("invoke", procs)
-        return fn.start((a._name, self._name, args, kwargs), {}, name=f"{a._name}.{self._name}")
+    @property
+    def _shape(self) -> Shape:
+        return self._actors._shape
 
-    def call(self, *args: Any, **kwargs: Any) -> Future:
-        """Call every actor of the mesh; a `Future` of their `ValueMesh` (`.get()`, or `await` it)."""
-        return self._start(self._actors._procs, args, kwargs)
+    @property
+    def _what(self) -> str:
+        return f"{self._actors._name}.{self._name.lstrip('~^')}"
 
-    def call_one(self, *args: Any, **kwargs: Any) -> OneFuture:
-        """Call the one actor of a mesh of size 1 (a slice to one point); a future of its value."""
+    def _in_flight(self) -> tuple[threading.Lock, dict[int, int]]:
+        return self._actors._lock, self._actors._choosing
+
+    def _view(self, points: list[int] | None) -> ProcMesh:
         procs = self._actors._procs
-        if len(procs) != 1:
-            raise ValueError(
-                f"call_one() needs exactly one actor; {self._actors._name!r} here is {procs.describe()} "
-                f"({len(procs)} actors): slice it to one point first, e.g. .slice(**point), or use call()"
-            )
-        return OneFuture(self._start(procs, args, kwargs))
+        return procs if points is None else _point(procs, points[0])
 
-    def broadcast(self, *args: Any, **kwargs: Any) -> None:
-        """Send to every actor without waiting; a failure becomes a `MeshFailure` for the actor mesh's owner
-        (its `__supervise__`, else `unhandled_fault_hook`), never raised here.
+    def _live(self) -> list[int]:
+        return _live_points(self._actors._procs)
 
-        No call is tracked: it is queued with the broadcasts made about then (`controller/casts.py`), which go
-        down the command connection as one signed `Cast` (before anything else sent to the mesh, so it keeps
-        its place among the calls); only a failure comes back (`CastFailed`). Ranks already lost are skipped
-        (their death was reported)."""
+    def _call(self, points: list[int] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Future[Any]:
         a = self._actors
-        spawned, shape = a._procs.spawned, a._procs._shape
+        fn = _worker_fn("invoke", self._view(points))
+        if points is None:
+            return fn.start((a._name, self._name, args, kwargs), {}, name=self._what)
+        point = a._point(points[0])  # (its place in the whole mesh the message went to, as Monarch's choose/stream)
+        return fn.start((a._name, self._name, args, kwargs, point), {}, name=self._what)
+
+    def rref(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the endpoint on every actor, on the workers' own tensors (`monarch.Tensor` arguments are each
+        worker's), in order with the tensor engine's ops; its result a `monarch.Tensor` on the actors' mesh, whose
+        metadata `@endpoint(propagate=fn)` gives. Monarch's distributed-tensor adverb."""
+        from monarch.runtime.tensor import actor_calls  # (here: `import monarch.actor` must not import torch)
+
+        a = self._actors
+        return actor_calls.rref(a._procs, a._name, a._cls, self._name, args, kwargs)
+
+    def _post(
+        self, points: list[int] | None, args: tuple[Any, ...], kwargs: dict[str, Any], port: Port[Any] | None
+    ) -> None:
+        """No call is tracked: it is queued with the broadcasts made about then (`controller/casts.py`), which go
+        down the command connection as one signed `Cast` (before anything else sent to the mesh, so it keeps
+        its place among the calls); only a failure comes back (`CastFailed`), unless `port` takes the answers.
+        Ranks already lost are skipped (their death was reported)."""
+        procs = self._actors._procs
+        spawned, shape = procs.spawned, procs._shape
         spawned.check_usable()
-        ranks = shape.ranks if not spawned.lost else tuple(r for r in shape.ranks if r not in spawned.lost)
+        ranks = shape.ranks if points is None else tuple(shape.ranks[i] for i in points)
+        if spawned.lost:
+            ranks = tuple(r for r in ranks if r not in spawned.lost)
         if not _cast_failures.registered:
             _cast_failures.register()
         if ranks:
-            arguments = _NO_ARGS if not args and not kwargs else codec.dumps_whole((args, kwargs))
-            item = (a._name, self._name, shape.names, shape.sizes, shape.ranks, arguments)
+            if not args and not kwargs and port is None:
+                arguments = _NO_ARGS
+            else:
+                arguments = codec.dumps_whole((args, kwargs, port))
+            item = (self._actors._name, self._name, shape.names, shape.sizes, shape.ranks, arguments)
             spawned.controller.cast(spawned, ranks, item)
-
-    def choose(self, *args: Any, **kwargs: Any) -> OneFuture:
-        """Call one actor of the mesh, the one with the fewest `choose` calls in flight; a future of its value."""
-        a = self._actors
-        with a._lock:
-            point = min(_live_points(a._procs), key=lambda i: (a._in_flight.get(i, 0), i))
-            a._in_flight[point] = a._in_flight.get(point, 0) + 1
-        future = self._start(_point(a._procs, point), args, kwargs)
-
-        def done(_: Future) -> None:
-            with a._lock:
-                a._in_flight[point] -= 1
-
-        future.add_done_callback(done)
-        return OneFuture(future)
-
-    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        """Call every actor; yield each one's value as it arrives (a failure raises when it comes)."""
-        procs = self._actors._procs
-        futures = [self._start(_point(procs, i), args, kwargs) for i in range(len(procs))]
-        waiting: dict[concurrent.futures.Future, Future] = {}
-        for f in futures:
-            done: concurrent.futures.Future = concurrent.futures.Future()
-            f.add_done_callback(lambda _, d=done: d.set_result(None))
-            waiting[done] = f
-        for done in concurrent.futures.as_completed(waiting):
-            yield OneFuture(waiting[done]).get()
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(
-            f"call an endpoint with an adverb: {self._name}.call(...).get(), .call_one(...), .broadcast(...), "
-            ".choose(...) or .stream(...)"
-        )
-
-
-class OneFuture:
-    """The future of one actor's answer (`call_one`, `choose`): `get()` gives the value, not a `ValueMesh`."""
-
-    def __init__(self, future: Future):
-        self._future = future
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def get(self, timeout: float | None = None) -> Any:
-        return _only(self._future.result(timeout))
-
-    result = get
-
-    def __await__(self):
-        return (yield from self._await().__await__())
-
-    async def _await(self) -> Any:
-        return _only(await self._future)
 
 
 def _worker_fn(name: str, procs: ProcMesh) -> Any:
@@ -226,11 +206,6 @@ def _worker_fn(name: str, procs: ProcMesh) -> Any:
     from monarch.runtime.remote import RemoteFunction
 
     return RemoteFunction.by_name(WORKER, name, procs)
-
-
-def _only(values: ValueMesh) -> Any:
-    (value,) = values.values()
-    return value
 
 
 def _live_points(procs: ProcMesh) -> list[int]:
@@ -248,7 +223,7 @@ def _point(procs: ProcMesh, index: int) -> ProcMesh:
     return procs.slice(**{dim: range(c, c + 1) for dim, c in coords.items()})
 
 
-_NO_ARGS = codec.dumps_whole(((), {}))
+_NO_ARGS = codec.dumps_whole(((), {}, None))
 
 
 class _CastFailures:
@@ -314,17 +289,26 @@ def check_spawn(name: Any, cls: Any) -> None:
 def spawn(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs: dict) -> ActorMesh:
     """`ProcMesh.spawn`: construct `cls(*args, **kwargs)` on every process of `procs` (waits: a constructor's
     error raises here, with its ranks)."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"spawn(name={name!r}, ...): give the actors a name (a non-empty string)")
-    if not (isinstance(cls, type) and issubclass(cls, Actor)):
-        raise TypeError(f"spawn({name!r}, {cls!r}): the class must subclass monarch.actor.Actor")
+    check_spawn(name, cls)
+    known = procs.spawned.actors
+    ranks = frozenset(procs._shape.ranks)
+    if name in known and known[name][1] & ranks:  # a second spawn under a name (Monarch allows it): its own
+        name = next(f"{name}#{i}" for i in itertools.count(2) if f"{name}#{i}" not in known)
     spawning = _worker_fn("spawn", procs).start((name, cls, args, kwargs), {}, name=f"{name}.__init__", sources_of=cls)
     inboxes = spawning.result()
-    known = procs.spawned.actors
     _, ranks = known.get(name, ("", frozenset()))
     known[name] = (cls.__name__, ranks | frozenset(procs._shape.ranks))
     supervision.adopt(procs.spawned, name, supervision.owner_here())
-    return ActorMesh(procs, name, cls, endpoints_of(cls), dict(zip(procs._shape.ranks, inboxes, strict=True)))
+    return ActorMesh(procs, name, cls, endpoints_of(cls), dict(zip(procs._shape.ranks, inboxes.values(), strict=True)))
+
+
+def bootstrap(procs: ProcMesh, fn: Any, binds: list[set[int]] | None) -> None:
+    """`spawn_procs(bootstrap=, proc_bind=)`: run on every new worker (`runtime/worker/bootstrap.py`)."""
+    from monarch.runtime.remote import RemoteFunction
+
+    run = RemoteFunction.by_name("monarch.runtime.worker.bootstrap", "bootstrap", procs)
+    run.start((fn, binds), {}, name="spawn_procs(bootstrap=...)", sources_of=fn).result()
 
 
 _mesh.ACTORS = spawn
+_mesh.BOOTSTRAP = bootstrap

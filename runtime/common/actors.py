@@ -8,48 +8,145 @@ unpickling it on a worker imports nothing of the controller's.
 
 from __future__ import annotations
 
+import contextvars
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from traceback import TracebackException
 from typing import Any, TypeVar
 
+from monarch.runtime.common.mesh_trait import Extent, Point
+
 ENDPOINT = "__monarch_endpoint__"
-"""The attribute `@endpoint` sets on a method."""
+"""The attribute `@endpoint` sets on a method (its `EndpointOptions`)."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+@dataclass(frozen=True)
+class EndpointOptions:
+    """How an endpoint is called (what `@endpoint(...)` / `@concurrent_endpoint` said)."""
+
+    explicit_response_port: bool = False
+    """The method takes its caller's response `Port` as its first argument and answers through it."""
+    concurrent: bool = False
+    """An `async def` run as a task on the actor's event loop: the actor takes its next message at once."""
+    propagate: Any = None
+    """Monarch's tensor-engine shape propagation for `rref` (kept, not used: see docs/features/actors.md)."""
+
+    def __bool__(self) -> bool:
+        return True
+
+
+PLAIN = EndpointOptions()
+LOOSE = "~"
+"""Prefix of an endpoint name that `as_endpoint` made of a method not marked `@endpoint`."""
+LOOSE_PORTED = "~^"
+"""The same, with `explicit_response_port=True`."""
+
+
 class Actor:
     """Base class of actors. Subclass it, mark the methods callers may call with `@endpoint`, and spawn it on
-    a mesh: `procs.spawn("name", MyActor, *args)` constructs one instance per process, with those arguments."""
+    a mesh: `procs.spawn("name", MyActor, *args)` constructs one instance per process, with those arguments.
+
+    Optional special methods: `__supervise__(failure)` (a mesh this actor spawned failed: return True if
+    handled) and `__cleanup__(exc)` (the actor stops: `actors.stop()`, or its processes stopping; may be
+    `async def`)."""
 
 
-def endpoint(fn: F | None = None, **options: Any) -> Any:
-    """Mark an actor's method as callable from outside (`actors.method.call(...)`); `async def` methods run
-    on the actor's event loop. Used bare (`@endpoint`) or with Monarch's options (`@endpoint(propagate=...)`,
-    accepted and ignored)."""
+def endpoint(
+    method: F | None = None,
+    *,
+    propagate: Any = None,
+    explicit_response_port: bool = False,
+    instrument: bool = True,
+) -> Any:
+    """Mark an actor's method as callable from outside (`actors.method.call(...)`), bare (`@endpoint`) or with
+    Monarch's options: `explicit_response_port=True` gives the method its caller's response `Port` as first
+    argument (it answers with `port.send(value)`, now or later, from anywhere); `propagate` and `instrument`
+    are accepted. `async def` endpoints run on the actor process's event loop, one message at a time (use
+    `concurrent_endpoint` for ones that may overlap)."""
+    options = EndpointOptions(explicit_response_port, False, propagate)
 
     def mark(f: F) -> F:
         if not callable(f):
             raise TypeError(f"@endpoint marks a method, got {f!r}")
-        setattr(f, ENDPOINT, True)
+        setattr(f, ENDPOINT, options)
         return f
 
-    return mark(fn) if fn is not None else mark
+    return mark(method) if method is not None else mark
+
+
+def concurrent_endpoint(
+    method: F | None = None,
+    *,
+    propagate: Any = None,
+    explicit_response_port: bool = False,
+    instrument: bool = True,
+) -> Any:
+    """Mark an `async def` method as an endpoint whose calls run as tasks on the actor's event loop: the actor
+    takes its next message at once, so one call may wait (an `asyncio.Event`, a queue) for what another call
+    delivers. Calls start in the order sent (each runs to its first `await` before the next starts); an
+    exception goes to the caller. Tasks still running when the actor stops are cancelled before
+    `__cleanup__`."""
+    options = EndpointOptions(explicit_response_port, True, propagate)
+
+    def mark(f: F) -> F:
+        if not inspect.iscoroutinefunction(f):
+            raise ValueError(f"concurrent_endpoint can only wrap async endpoints; {f!r} is not `async def`")
+        setattr(f, ENDPOINT, options)
+        return f
+
+    return mark(method) if method is not None else mark
+
+
+def options_of(method: Any) -> EndpointOptions | None:
+    """The endpoint options of a method, or None when it is not an endpoint."""
+    got = getattr(method, ENDPOINT, None)
+    return got if isinstance(got, EndpointOptions) else (PLAIN if got else None)
 
 
 def endpoints_of(cls: type) -> list[str]:
     """The names of `cls`'s endpoints, sorted."""
-    return sorted(name for name in dir(cls) if getattr(getattr(cls, name, None), ENDPOINT, False))
+    return sorted(name for name in dir(cls) if options_of(getattr(cls, name, None)) is not None)
+
+
+def methods_of(cls: type) -> list[str]:
+    """The names of `cls`'s public methods that are not endpoints (what `as_endpoint` can call)."""
+    out = []
+    for name in dir(cls):
+        if name.startswith("_"):
+            continue
+        value = getattr(cls, name, None)
+        if callable(value) and options_of(value) is None and not isinstance(value, type):
+            out.append(name)
+    return out
 
 
 @dataclass
 class ActorInstance:
-    """The actor an endpoint runs in."""
+    """The actor an endpoint runs in (`context().actor_instance`)."""
 
     name: str
     """The name it was spawned under."""
-    rank: dict[str, int] = field(default_factory=dict)
-    """Its coordinates in its actor mesh."""
+    rank: Point = field(default_factory=lambda: Point(0, Extent()))
+    """Its place in its actor mesh (a `Point`: ``rank["gpu"]``, ``rank.rank``)."""
+    proc_id: str = ""
+    """Its process, as text (``mesh 1 rank 3 (gpu=3) pid 4242``)."""
+
+    @property
+    def actor_id(self) -> str:
+        """This actor, as text: ``name[rank] on <process>``."""
+        return f"{self.name}[{self.rank.rank}] on {self.proc_id or 'this process'}"
+
+    @property
+    def proc_mesh(self) -> Any:
+        raise NotImplementedError(
+            "context().actor_instance.proc_mesh: an actor has no handle on its own process mesh here (meshes are "
+            "spawned and driven from the controller); pass the ProcMesh, or an actor mesh, to the actor instead"
+        )
+
+    proc = proc_mesh
 
 
 @dataclass
@@ -57,16 +154,65 @@ class Context:
     """What an endpoint knows about the message it serves (`context()`)."""
 
     actor_instance: ActorInstance
-    message_rank: dict[str, int] = field(default_factory=dict)
-    """This actor's coordinates in the mesh (or slice) the message was sent to."""
+    message_rank: Point = field(default_factory=lambda: Point(0, Extent()))
+    """This actor's place in the mesh (or slice) the message was sent to, as `current_rank()` gives it."""
 
 
-current: Context | None = None
-"""The running endpoint's context (set by the worker while it runs one)."""
+CLIENT = Context(ActorInstance("client", proc_id="the controller"))
+"""The context outside any actor: the client (a script or notebook), as Monarch's root client context."""
+
+_current: contextvars.ContextVar[Context | None] = contextvars.ContextVar("monarch_actor_context", default=None)
+"""The running endpoint's context (a context variable: an endpoint's asyncio tasks keep theirs)."""
+
+
+def enter(ctx: Context) -> contextvars.Token[Context | None]:
+    """Make `ctx` the current context (until `leave(token)`)."""
+    return _current.set(ctx)
+
+
+def leave(token: contextvars.Token[Context | None]) -> None:
+    _current.reset(token)
+
+
+def current() -> Context | None:
+    """The running endpoint's context, or None outside one."""
+    return _current.get()
 
 
 def context() -> Context:
-    """Inside an endpoint or an actor's constructor: which actor this is and where the message went."""
-    if current is None:
-        raise RuntimeError("context() is for code running in an actor (an endpoint or its constructor)")
-    return current
+    """Inside an endpoint or an actor's constructor: which actor this is (`actor_instance`: its `name`, its
+    `rank` in its mesh) and where the message went (`message_rank`). Elsewhere, the client's context."""
+    got = _current.get()
+    return got if got is not None else CLIENT
+
+
+def current_actor_name() -> str:
+    """The running actor, as text (``name[rank] on <process>``); ``client...`` outside an actor."""
+    return str(context().actor_instance.actor_id)
+
+
+class ActorError(Exception):
+    """An actor's call failed: `exception` is what was raised; the message carries where (Monarch's error type
+    for a failed endpoint; monarch's own calls raise `monarch.RemoteError`, naming each rank)."""
+
+    def __init__(self, exception: BaseException, message: str = "A remote actor call has failed.") -> None:
+        self.exception = exception
+        self.message = message
+        lines = TracebackException.from_exception(exception).format()
+        self.exception_formatted = "".join(lines).replace(
+            "Traceback (most recent call last):", "Traceback of where the remote call failed (most recent call last):"
+        )
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        return f"{self.message}\n {self.exception_formatted}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild_actor_error, (self.exception_formatted, self.message)
+
+
+def _rebuild_actor_error(formatted: str, message: str) -> ActorError:
+    error = ActorError.__new__(ActorError)
+    Exception.__init__(error, message)
+    error.exception, error.message, error.exception_formatted = RuntimeError(formatted), message, formatted
+    return error

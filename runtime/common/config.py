@@ -4,9 +4,10 @@ The controller reads them; workers get the values they need from the controller 
 (`protocol.WorkerStart`), so a worker never reads a knob of its own. Bad values are a `ValueError` naming the
 variable, the value and what is allowed.
 
-Four knobs are read here too, but when used rather than once, as a process may switch them: `jobs_dir()`
+Five knobs are read here too, but when used rather than once, as a process may switch them: `jobs_dir()`
 (``MONARCH_JOBS_DIR``), `sim_profiles_dir()` (``MONARCH_SIM_PROFILES``), `output_dir()`
-(``MONARCH_OUTPUT_DIR``) and `log_level_name()`
+(``MONARCH_OUTPUT_DIR``), `rdma_path()` (``MONARCH_RDMA_PATH``, the controller's environment reaching its
+workers) and `log_level_name()`
 (``MONARCH_LOG``, read by every process, workers too: `common/log.py` turns a bad value into a warning, not an
 error, as logging must never stop a run).
 """
@@ -176,7 +177,29 @@ def output_dir() -> Path:
     return Path(os.environ.get("MONARCH_OUTPUT_DIR") or Path.home() / ".monarch" / "output")
 
 
+def rdma_path() -> str:
+    """[MONARCH_RDMA_PATH] How `RDMABuffer` reads and writes reach a buffer of another process: ``auto`` (the
+    default: shared memory, or CUDA IPC, on one host; the owner's transport otherwise) or ``transport`` (the
+    owner's transport wherever it has one: to measure or test it on one machine)."""
+    text = os.environ.get("MONARCH_RDMA_PATH", "").strip().lower() or "auto"
+    if text not in ("auto", "transport"):
+        raise ValueError(
+            f"MONARCH_RDMA_PATH={os.environ['MONARCH_RDMA_PATH']!r}; use 'auto' (shared memory on one host) or "
+            "'transport' (always through the owner process)"
+        )
+    return text
+
+
 def log_level_name() -> str:
     """[MONARCH_LOG] The runtime's log level as given (``debug``, ``info`` or ``warning``; "" when unset);
     `common/log.py` checks it."""
     return os.environ.get("MONARCH_LOG", "").strip().lower()
+
+
+def use_transport(kind: str) -> None:
+    """Make this process's controller use transport `kind` (``ipc`` or ``tcp``), as ``MONARCH_TRANSPORT`` would:
+    Monarch's `enable_transport`. Only before the controller reads its settings (its first mesh)."""
+    if kind not in ("ipc", "tcp"):
+        raise ValueError(f"transport {kind!r}; use 'ipc' (one machine) or 'tcp' (across hosts)")
+    os.environ["MONARCH_TRANSPORT"] = kind
+    settings.cache_clear()

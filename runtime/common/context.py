@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from monarch.runtime.common.mesh_trait import Point
+
 
 @dataclass
 class WorkerInfo:
@@ -24,6 +26,8 @@ class WorkerInfo:
     """Index among the workers on this host; picks the GPU."""
     device: Any
     """The `torch.device` this worker owns."""
+    mesh_id: int = -1
+    """The spawned mesh it belongs to (its controller's number for it)."""
 
 
 @dataclass
@@ -46,10 +50,12 @@ def _need_worker() -> WorkerInfo:
     return worker
 
 
-def current_rank() -> dict[str, int]:
-    """This worker's coordinates in the mesh view the running call was made on."""
+def current_rank() -> Point:
+    """Where this worker is in the mesh view the running call (or actor message) was sent to: a `Point`,
+    ``point["gpu"]`` its index along ``gpu``, ``point.rank`` its row-major index, ``point.extent`` the view's
+    sizes; ``mesh.slice(**point)`` picks it."""
     _need_worker()
-    return dict(view.coords)
+    return Point.of(view.coords, view.sizes)
 
 
 def current_size() -> dict[str, int]:

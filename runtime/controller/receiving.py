@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from monarch.runtime.common import ports
 from monarch.runtime.common.errors import group_failures, peer_gone
 from monarch.runtime.common.processes import usable_cpus
 from monarch.runtime.controller.output import OutputEvent
@@ -79,6 +80,7 @@ class Receiver:
             protocol.Busy: self._on_busy,
             protocol.Stacks: self._on_stacks,
             protocol.CastFailed: self._on_cast_failed,
+            protocol.PortSend: self._on_port_send,
         }
         self.taps: list[Callable[[OutputEvent], None]] = []
         """Also given every output event, after its sink (the script debugger shows its ranks' output)."""
@@ -367,6 +369,16 @@ class Receiver:
         except Exception as e:
             info = protocol.ErrorInfo(type(e).__qualname__, f"its error cannot be unpickled here: {e}", "")
         CAST_FAILED(mesh, env.rank, env.message.actor, env.message.endpoint, info)
+
+    def _on_port_send(self, env: codec.Envelope) -> None:
+        """A worker sent a message to a port of this process (`common/ports.py`): hand it to the port's
+        receiving end (a `PortReceiver`'s queue, a local actor's answer), never user code on this thread."""
+        msg = env.message
+        try:
+            ok, value = msg.ok, codec.loads(env.body, env.buffers)
+        except Exception as e:
+            ok, value = False, RuntimeError(f"a message to a port could not be unpickled here: {type(e).__name__}: {e}")
+        ports.take(msg.port_id, msg.rank, ok, value)
 
     def _on_output(self, env: codec.Envelope) -> None:
         self._event(env, env.message.stream, env.message.text)

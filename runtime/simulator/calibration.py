@@ -49,7 +49,7 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
     print(f"monarch.Simulator.calibrate: measuring {n} {'GPU' if gpus else 'CPU'} worker(s)…", file=sys.stderr)
     mesh = this_host().spawn_procs({"gpu": n})
     try:
-        per_rank = list(RemoteFunction.by_name(WORKER, "measure", mesh).call_async(quick=quick).result())
+        per_rank = RemoteFunction.by_name(WORKER, "measure", mesh).call_async(quick=quick).result().values()
         rtt = _round_trip(mesh)
         shared_cores = n > 1 and not gpus  # (CPU workers: compute, reduces and threads contend; gloo's ring)
         comm = [_engine_reduces(mesh, rtt, quick, one_element=shared_cores)] if n > 1 else []
@@ -253,7 +253,7 @@ def _sample_step_costs(mesh, quick: bool, device: str) -> tuple[float, dict[str,
             for _ in range(3 if quick else 10):
                 step(reduce)
         finally:
-            per_rank = list(RemoteFunction.by_name(WORKER, "timed_ops", mesh).call_async().result())
+            per_rank = RemoteFunction.by_name(WORKER, "timed_ops", mesh).call_async().result().values()
         return per_rank
 
     times: dict[str, list[float]] = {}

@@ -344,7 +344,7 @@ class SimWorkers:
             v = self.values.pop(cmd.alias, None)
             if v is not None:
                 self._release(v.storage, idx, done)
-        elif t is P.FailResults:
+        elif t in (P.FailResults, P.CallActor):  # (no actor runs on a simulated mesh: nothing to call)
             self._take(idx)
             for ref in _refs(cmd.out):
                 self.values[ref] = None

@@ -31,10 +31,14 @@ from monarch.runtime.tensor.checks import (
 from monarch.runtime.tensor.engine import Engine, engine_for
 from monarch.runtime.tensor.patches import CudaMeansCpu
 from monarch.runtime.tensor.streams import MAIN, Borrow, Stream, get_active_stream
+from monarch.runtime.wire import codec
 from monarch.runtime.wire import protocol as P
 from monarch.runtime.wire.protocol import Ref
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+_TABLE = "monarch.runtime.worker.engine.table"
 
 
 class Tensor(torch.Tensor):
@@ -88,6 +92,14 @@ class Tensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return f"monarch.Tensor(shape={tuple(self.shape)}, dtype={self.dtype}, mesh={self._mesh._shape.describe()})"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Sent to a worker of its mesh (an actor endpoint's argument, a live function's): that worker's tensor
+        there. The commands that make it go first (the engine's batch is sent now)."""
+        engine = self._engine_ref()
+        if engine is not None:
+            engine.flush()
+        return codec.call_function, (_TABLE, "local", self._mesh.spawned.mesh_id, self._ref)
 
     def __del__(self) -> None:
         engine = self._engine_ref() if hasattr(self, "_engine_ref") else None

@@ -41,7 +41,8 @@ _seq = itertools.count(1)
 
 
 class Inbox:
-    """A worker's ROUTER for actor messages from other workers (and from its own actors)."""
+    """A worker's ROUTER for actor messages from other workers (and from its own actors): endpoint calls
+    (`ActorSend`) and messages to its ports (`PortSend`)."""
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], keys: WorkerKeys) -> None:
         self.keys = keys
@@ -75,8 +76,8 @@ class Inbox:
                 raise ValueError(f"number {env.seq} from {sender} was already taken (a replay)")
             self._seen[sender] = env.seq
             env.message = protocol.unpack(env.message)
-            if type(env.message) is not protocol.ActorSend:
-                raise ValueError(f"an inbox takes ActorSend, not {type(env.message).__name__}")
+            if type(env.message) not in (protocol.ActorSend, protocol.PortSend):
+                raise ValueError(f"an inbox takes ActorSend and PortSend, not {type(env.message).__name__}")
             return identity.bytes, env
         except (codec.BadSignature, ValueError) as e:
             self._log("an actor message", str(e))

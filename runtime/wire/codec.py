@@ -78,6 +78,12 @@ def _rebuild_tensor(buf: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
     return flat.view(dtype).reshape(shape)
 
 
+def _rebuild_grad_tensor(buf: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
+    """A tensor that required grad where it was pickled: a leaf that requires grad here (as torch's own pickling
+    rebuilds one)."""
+    return _rebuild_tensor(buf, dtype, shape).requires_grad_()
+
+
 def _reduce_tensor(t: Any) -> Any:
     """A tensor's reduction for both picklers: its bytes apart (out of band when large), or torch's own
     pickling where they cannot be had (no numpy)."""
@@ -89,8 +95,13 @@ def _reduce_tensor(t: Any) -> Any:
 
 def _tensor_bytes(t: Any) -> Any:
     torch = sys.modules["torch"]  # (a tensor is here: torch is imported)
-    if type(t) is not torch.Tensor or t.layout != torch.strided or t.requires_grad or t.is_quantized:
+    if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized:
         return t.__reduce_ex__(5)
+    if t.requires_grad:  # (torch's own pickling of it takes milliseconds: torch.save of its storage)
+        if not t.dtype.is_floating_point and not t.dtype.is_complex:
+            return t.__reduce_ex__(5)
+        _, (data, dtype, shape) = _tensor_bytes(t.detach())
+        return _rebuild_grad_tensor, (data, dtype, shape)
     if not t.is_cpu:
         if not t.is_cuda:
             return t.__reduce_ex__(5)

@@ -16,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 from monarch.runtime.common import actors as shared
+from monarch.runtime.common.endpoint import Adverbs, NotAnEndpoint, expose_endpoints
 from monarch.runtime.common.errors import ErrorInfo, RemoteError, group_failures
+from monarch.runtime.common.mesh_trait import MeshTrait
+from monarch.runtime.common.ports import Port
 from monarch.runtime.common.shape import Shape
 from monarch.runtime.common.valuemesh import ValueMesh
 from monarch.runtime.wire import codec, protocol
@@ -29,37 +31,40 @@ from monarch.runtime.wire.actor_end import InboxAddress
 _ids = itertools.count(1)
 
 
-class ActorRef:
+class ActorRef(MeshTrait):
     """The actors named `name` on the points of `shape`; `inboxes` reaches each point's process."""
 
-    def __init__(self, name: str, cls_name: str, endpoints: list[str], shape: Shape, inboxes: dict[int, InboxAddress]):
+    def __init__(
+        self,
+        name: str,
+        cls_name: str,
+        endpoints: list[str],
+        shape: Shape,
+        inboxes: dict[int, InboxAddress],
+        methods: list[str] | None = None,
+    ):
         self._name, self._cls_name, self._endpoints, self._shape = name, cls_name, endpoints, shape
         self._inboxes = inboxes
-        self._choose_rr = 0
+        self._methods = methods or []
+        self._lock = threading.Lock()
+        self._choosing: dict[int, int] = {}
+        expose_endpoints(self, endpoints)
 
     @property
     def name(self) -> str:
         return self._name
 
-    @property
-    def sizes(self) -> dict[str, int]:
-        return self._shape.size_dict
+    def _new_with_shape(self, shape: Shape) -> ActorRef:
+        return ActorRef(self._name, self._cls_name, self._endpoints, shape, self._inboxes, self._methods)
 
-    extent = sizes
+    def _endpoint(self, name: str) -> RefEndpoint:
+        return RefEndpoint(self, name)
 
-    def size(self, dim: str | None = None) -> int:
-        return self._shape.size(dim)
-
-    def __len__(self) -> int:
-        return len(self._shape)
-
-    def slice(self, **index: int | range | slice) -> ActorRef:
-        """The actors of a slice, as `ProcMesh.slice` takes it (`slice(gpu=0)`, `slice(**point)`)."""
-        return ActorRef(self._name, self._cls_name, self._endpoints, self._shape.slice(**index), self._inboxes)
-
-    def __getattr__(self, attr: str) -> RefEndpoint:
+    def __getattr__(self, attr: str) -> Any:
         endpoints = self.__dict__.get("_endpoints", ())
         if attr.startswith("__") or attr not in endpoints:
+            if attr in self.__dict__.get("_methods", ()):
+                return NotAnEndpoint(self, attr, self.__dict__.get("_cls_name", "the actor"))
             raise AttributeError(
                 f"{self.__dict__.get('_cls_name', 'the actor')} has no endpoint {attr!r} (its endpoints: "
                 f"{', '.join(endpoints) or 'none'}; mark a method with @endpoint to call it)"
@@ -67,36 +72,70 @@ class ActorRef:
         return RefEndpoint(self, attr)
 
     def __reduce__(self) -> Any:
-        return reference, (self._name, self._cls_name, self._endpoints, self._shape, self._inboxes)
+        return reference, (self._name, self._cls_name, self._endpoints, self._shape, self._inboxes, self._methods)
 
     def __repr__(self) -> str:
         return f"<ActorMesh {self._name!r} of {self._cls_name} on {self._shape.describe()} (a reference)>"
 
 
-def reference(name: str, cls_name: str, endpoints: list[str], shape: Shape, inboxes: dict) -> ActorRef:
+def reference(
+    name: str, cls_name: str, endpoints: list[str], shape: Shape, inboxes: dict, methods: list[str] | None = None
+) -> ActorRef:
     """An `ActorRef` (what an `ActorMesh` pickles to)."""
-    return ActorRef(name, cls_name, endpoints, shape, inboxes)
+    return ActorRef(name, cls_name, endpoints, shape, inboxes, methods)
 
 
-class RefEndpoint:
-    """One endpoint of an actor reference; call it with an adverb."""
+class RefEndpoint(Adverbs[Any, Any]):
+    """One endpoint of an actor reference; call it with an adverb (`common/endpoint.py`)."""
 
     def __init__(self, ref: ActorRef, name: str):
         self._ref, self._name = ref, name
 
-    def _send(self, shape: Shape, args: tuple, kwargs: dict, answer: bool) -> RefFuture | None:
+    @property
+    def _shape(self) -> Shape:
+        return self._ref._shape
+
+    @property
+    def _what(self) -> str:
+        return f"{self._ref._name}.{self._name.lstrip('~^')}"
+
+    def _in_flight(self) -> tuple[threading.Lock, dict[int, int]]:
+        return self._ref._lock, self._ref._choosing
+
+    def _view(self, points: list[int] | None) -> Shape:
+        shape = self._ref._shape
+        return shape if points is None else _point(shape, points[0])
+
+    def _call(self, points: list[int] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> RefFuture:
+        future = RefFuture(self._what, self._view(points))
+        self._send_to(points, args, kwargs, None, future)
+        return future
+
+    def _post(
+        self, points: list[int] | None, args: tuple[Any, ...], kwargs: dict[str, Any], port: Port[Any] | None
+    ) -> None:
+        self._send_to(points, args, kwargs, port, None)
+
+    def _send_to(
+        self, points: list[int] | None, args: tuple, kwargs: dict, port: Port[Any] | None, future: RefFuture | None
+    ) -> None:
+        """One `ActorSend` to each actor at `points` (all: None); each names the whole view as the message's,
+        so an actor's `current_rank()` is its place in the mesh, as Monarch's choose and stream give it."""
         from monarch.runtime.worker import actors
 
         box = actors.mailbox()
         ref = self._ref
-        if answer:
-            _refuse_self_call(ref, shape, self._name, box.inbox.address)
-        body = codec.dumps((args, kwargs))
-        future = RefFuture(f"{ref._name}.{self._name}", shape) if answer else None
+        shape = ref._shape
+        targets = (
+            list(enumerate(shape.ranks)) if points is None else [(i, shape.ranks[p]) for i, p in enumerate(points)]
+        )
+        if future is not None:
+            _refuse_self_call(ref, self._view(points), self._name, box.inbox.address)
+        body = codec.dumps((args, kwargs, port))
         origin = box.worker.call_id
 
         def send() -> None:
-            for i, rank in enumerate(shape.ranks):
+            for i, rank in targets:
                 call_id = next(_ids) if future is not None else 0
                 if future is not None:
                     box.answers[call_id] = lambda env, i=i: future._take(i, env)
@@ -106,56 +145,6 @@ class RefEndpoint:
                 box.outbox(ref._inboxes[rank]).send(message, body)
 
         box.post(send)
-        return future
-
-    def call(self, *args: Any, **kwargs: Any) -> RefFuture:
-        """Call every actor of the reference; a future of their `ValueMesh`."""
-        future = self._send(self._ref._shape, args, kwargs, True)
-        assert future is not None
-        return future
-
-    def call_one(self, *args: Any, **kwargs: Any) -> RefFuture:
-        """Call the one actor of a reference of size 1; a future of its value."""
-        shape = self._ref._shape
-        if len(shape) != 1:
-            raise ValueError(
-                f"call_one() needs exactly one actor; {self._ref._name!r} here is {shape.describe()} "
-                f"({len(shape)} actors): slice it to one point first, e.g. .slice(**point), or use call()"
-            )
-        return self.call(*args, **kwargs)._one()
-
-    def broadcast(self, *args: Any, **kwargs: Any) -> None:
-        """Send to every actor without waiting for them."""
-        self._send(self._ref._shape, args, kwargs, False)
-
-    def choose(self, *args: Any, **kwargs: Any) -> RefFuture:
-        """Call one actor of the reference (each in turn); a future of its value."""
-        ref = self._ref
-        point = ref._choose_rr % len(ref._shape)
-        ref._choose_rr += 1
-        future = self._send(_point(ref._shape, point), args, kwargs, True)
-        assert future is not None
-        return future._one()
-
-    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        """Call every actor; yield each one's value as it arrives."""
-        shape = self._ref._shape
-        futures = [self._send(_point(shape, i), args, kwargs, True) for i in range(len(shape))]
-        waiting = {f._one() for f in futures if f is not None}
-        from monarch.runtime.worker import actors
-
-        box = actors.mailbox()
-        while waiting:
-            box.pump(lambda: any(f.done() for f in waiting))
-            for f in [f for f in waiting if f.done()]:
-                waiting.discard(f)
-                yield f.get()
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(
-            f"call an endpoint with an adverb: {self._name}.call(...).get(), .call_one(...), .broadcast(...), "
-            ".choose(...) or .stream(...)"
-        )
 
 
 class RefFuture:
@@ -167,24 +156,32 @@ class RefFuture:
         self._envs: dict[int, codec.Envelope] = {}
         self._lock = threading.Lock()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
-        self._single = False
-
-    def _one(self) -> RefFuture:
-        self._single = True
-        return self
+        self._callbacks: list[Any] = []
 
     def _take(self, i: int, env: codec.Envelope) -> None:
         with self._lock:
             self._envs[i] = env
-            waiters = list(self._waiters) if self.done() else []
+            done = self.done()
+            waiters = list(self._waiters) if done else []
+            callbacks = list(self._callbacks) if done else []
         for loop, f in waiters:
             loop.call_soon_threadsafe(lambda f=f: f.done() or f.set_result(None))
+        for fn in callbacks:
+            fn(self)
 
     def done(self) -> bool:
         return len(self._envs) == len(self._shape)
 
-    def get(self, timeout: float | None = None) -> Any:
-        """Wait for every answer; the `ValueMesh` (`call`) or the one value (`call_one`, `choose`)."""
+    def add_done_callback(self, fn: Any) -> None:
+        """Call `fn(self)` once every answer is in (on the thread that took the last), or at once."""
+        with self._lock:
+            if not self.done():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def get(self, timeout: float | None = None) -> ValueMesh[Any]:
+        """Wait for every answer; their `ValueMesh` (a failure raises `RemoteError`, grouped by kind)."""
         from monarch.runtime.worker import actors
 
         if not self.done():
@@ -197,7 +194,7 @@ class RefFuture:
             if timeout is None:
                 box.pump(self.done)
             else:
-                _pump_for(box, self.done, timeout, self._name)
+                actors.pump_for(box, self.done, timeout, self._name)
         return self._value()
 
     result = get
@@ -214,7 +211,7 @@ class RefFuture:
             yield from waiter.__await__()
         return self._value()
 
-    def _value(self) -> Any:
+    def _value(self) -> ValueMesh[Any]:
         values, failed = [], []
         for i, rank in enumerate(self._shape.ranks):
             env = self._envs[i]
@@ -226,24 +223,7 @@ class RefFuture:
                 failed.append((rank, label, obj if isinstance(obj, ErrorInfo) else ErrorInfo("Error", str(obj), "")))
         if failed:
             raise RemoteError(self._name, group_failures(failed), len(self._shape))
-        if self._single:
-            return values[0]
         return ValueMesh(self._shape, values)
-
-
-def _pump_for(box: Any, done: Any, timeout: float, name: str) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    timer = threading.Timer(timeout, box.wake)
-    timer.daemon = True
-    timer.start()
-    try:
-        box.pump(lambda: done() or time.monotonic() >= deadline)
-    finally:
-        timer.cancel()
-    if not done():
-        raise TimeoutError(f"{name}: no answer from every actor within {timeout} s")
 
 
 def _point(shape: Shape, index: int) -> Shape:
@@ -253,7 +233,7 @@ def _point(shape: Shape, index: int) -> Shape:
 
 def _refuse_self_call(ref: ActorRef, shape: Shape, endpoint: str, own: InboxAddress) -> None:
     """An actor waiting for its own answer would wait forever: it serves one message at a time."""
-    current = shared.current
+    current = shared.current()
     if current is None or current.actor_instance.name != ref._name:
         return
     if any(ref._inboxes[r].addr == own.addr for r in shape.ranks):

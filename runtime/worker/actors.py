@@ -6,29 +6,65 @@ its end, so what one sender sends an actor runs in the order sent. While an endp
 answer (`actor_ref.py`), this thread goes on serving the inbox, so actors that call each other back do not
 deadlock. An `async def` endpoint runs on this process's event loop (a thread of its own) while this thread
 serves; what that thread sends goes through this one (ZeroMQ sockets belong to one thread).
+
+How a message is answered: a plain endpoint's return value is the answer (the call's `Reply`, an inbox
+`ActorAnswer`, or nothing for a broadcast). An endpoint declared `explicit_response_port` gets the answer's
+`Port` and answers through it, now or later; a `concurrent_endpoint` runs as a task on the event loop, the
+message's handler returning at once, and its task answers through the port when it ends. Either way `invoke`
+returns `DEFERRED`, and whoever called it does not answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import inspect
 import os
 import sys
 import threading
+import traceback
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from monarch.runtime.common import actors as shared
-from monarch.runtime.common import context
+from monarch.runtime.common import context, ports
+from monarch.runtime.common.mesh_trait import Point
 from monarch.runtime.common.shape import Shape
 from monarch.runtime.wire import codec, protocol
 from monarch.runtime.wire.actor_end import Inbox, InboxAddress, Outbox
+from monarch.runtime.worker import stdin
 from monarch.runtime.worker.describe import describe
 
-_actors: dict[str, tuple[Any, shared.ActorInstance]] = {}
+DEFERRED = type("Deferred", (), {"__repr__": lambda self: "DEFERRED"})()
+"""What `invoke` returns when the answer goes through the message's response port instead (see the module)."""
+
+CLEANUP_WAIT = 10.0
+"""Seconds an actor's concurrent tasks and `__cleanup__` may take when it stops, before the stop goes on."""
+
+
+@dataclass
+class Living:
+    """One actor of this process."""
+
+    obj: Any
+    instance: shared.ActorInstance
+    tasks: set[concurrent.futures.Future[Any]] = field(default_factory=set)
+    """Its `async def` endpoints' calls still running (or queued: see `_enqueue`)."""
+    queue: collections.deque[Callable[[], Any]] = field(default_factory=collections.deque)
+    """Its `async def` endpoint calls not started yet, in the order they came (one runs at a time)."""
+    busy: bool = False
+    """One of its `async def` endpoint calls runs (event loop's thread only)."""
+
+
+deferred: dict[int, concurrent.futures.Future[Any]] = {}
+"""Controller call id -> the task of the `async def` endpoint answering it (for Ctrl-C: `interrupt`)."""
+
+
+_actors: dict[str, Living] = {}
 host: Any = None
 """This process's `worker.Worker` (it sets itself here as it starts: this module never imports it)."""
 _loop: asyncio.AbstractEventLoop | None = None
@@ -39,101 +75,377 @@ def spawn(name: str, cls: type, args: tuple, kwargs: dict) -> InboxAddress:
     if name in _actors:
         raise ValueError(f"an actor named {name!r} already runs on this process (spawn it under another name)")
     box = mailbox()
-    instance = shared.ActorInstance(name, context.current_rank())
-    token = _enter(instance, context.current_rank())
+    rank = context.current_rank()
+    worker = context.worker
+    proc = f"mesh {host.mesh_id} rank {worker.rank} pid {os.getpid()}" if host is not None and worker else ""
+    instance = shared.ActorInstance(name, rank, proc)
+    token = shared.enter(shared.Context(instance, rank))
     try:
-        _actors[name] = (cls(*args, **kwargs), instance)
+        _actors[name] = Living(cls(*args, **kwargs), instance)
     finally:
-        shared.current = token
+        shared.leave(token)
     return box.inbox.address
 
 
-def invoke(name: str, endpoint: str, args: tuple, kwargs: dict, message_rank: dict[str, int] | None = None) -> Any:
-    """Run endpoint `endpoint` of actor `name` (its result, awaited if it is a coroutine)."""
-    got = _actors.get(name)
-    if got is None:
+def system_actor(name: str, make: Callable[[], Any]) -> InboxAddress:
+    """This process's hidden actor `name` (made by `make()` on first use), for the runtime's own services that
+    other processes reach through this process's inbox (`worker/rdma.py`'s `__monarch_rdma__`); the inbox's
+    address. No actor mesh is spawned for it: callers build references to it themselves."""
+    box = mailbox()
+    if name not in _actors:
+        _actors[name] = Living(make(), shared.ActorInstance(name))
+    return box.inbox.address
+
+
+def invoke(
+    name: str,
+    endpoint: str,
+    args: tuple,
+    kwargs: dict,
+    message_rank: Point | None = None,
+    answer: ports.Deliver | None = None,
+) -> Any:
+    """Run endpoint `endpoint` of actor `name`: its result (awaited if it is a coroutine), or `DEFERRED` when it
+    answers through its response port. `answer` takes that answer (None: this controller call's `Reply`)."""
+    living = _actors.get(name)
+    if living is None:
         raise RuntimeError(f"no actor named {name!r} on this process (it was stopped, or its spawn failed here)")
-    actor, instance = got
-    method = getattr(actor, endpoint, None)
-    if method is None or not getattr(method, shared.ENDPOINT, False):
-        raise AttributeError(f"{type(actor).__name__} has no endpoint {endpoint!r}")
-    token = _enter(instance, context.current_rank() if message_rank is None else message_rank)
+    method, options = _method(living.obj, endpoint)
+    if message_rank is None:
+        rank = context.current_rank()
+    else:
+        rank = message_rank
+        context.view = context.CallView(dict(rank), dict(rank.extent))
+    ctx = shared.Context(living.instance, rank)
+    token = shared.enter(ctx)
+    debugged = stdin.answered
     try:
-        result = method(*args, **kwargs)
-        if inspect.isawaitable(result):
-            result = _await(result)
-        return result
+        is_async = inspect.iscoroutinefunction(method)
+        if not is_async and not options.explicit_response_port:
+            if living.tasks:  # its async calls still queued or running come first: they came first
+                mailbox().pump(lambda: not living.tasks)
+            result = method(*args, **kwargs)
+            if inspect.isawaitable(result):
+                result = _await(result)
+            return result
+        call_id = host.call_id if answer is None and host is not None else None
+        port = _response_port(answer if answer is not None else _reply_to_call(), rank.rank)
+        if is_async:
+            # On the event loop, while this thread takes the next message: a call to another actor of this
+            # process, or a concurrent one, runs meanwhile; this actor's own plain ones wait their turn.
+            coro = method(port, *args, **kwargs) if options.explicit_response_port else method(*args, **kwargs)
+            what = f"{name}.{endpoint}"
+            _start_task(living, coro, port, options.explicit_response_port, what, ctx, options.concurrent, call_id)
+            return DEFERRED
+        try:
+            result = method(port, *args, **kwargs)
+            if inspect.isawaitable(result):
+                _await(result)
+        except BaseException:
+            if not port._sent:
+                raise
+            print(f"monarch: {name}.{endpoint} raised after it answered through its port:", file=sys.stderr)
+            traceback.print_exc()
+        return DEFERRED
+    except Exception as e:
+        stdin.post_mortem_if_debugged(e, debugged)  # (debugged in pdb: stops there first, as Monarch does)
+        raise
     finally:
-        shared.current = token
+        stdin.answered = debugged  # (what was debugged in this message is no concern of one it is nested in)
+        shared.leave(token)
+
+
+def _method(actor: Any, endpoint: str) -> tuple[Any, shared.EndpointOptions]:
+    """The bound method an endpoint name calls, and how (`as_endpoint` names a plain method with a prefix)."""
+    loose = endpoint.startswith(shared.LOOSE)
+    if loose:
+        ported = endpoint.startswith(shared.LOOSE_PORTED)
+        attr = endpoint[len(shared.LOOSE_PORTED if ported else shared.LOOSE) :]
+    else:
+        attr = endpoint
+    method = getattr(actor, attr, None)
+    options = shared.options_of(method)
+    if loose and callable(method):
+        return method, options or shared.EndpointOptions(explicit_response_port=ported)
+    if method is None or options is None:
+        raise AttributeError(f"{type(actor).__name__} has no endpoint {attr!r}")
+    return method, options
+
+
+def _response_port(deliver: ports.Deliver, rank: int) -> ports.Port[Any]:
+    """The port a message's answer goes through, for an endpoint that answers through it: usable here (no
+    pickling) or sent anywhere (its entry in this process's table of ports takes it)."""
+    ref = ports.register(deliver, once=True)
+
+    def here(rank: int | None, ok: bool, value: Any) -> None:
+        ports.unregister(ref.port_id)
+        deliver(rank, ok, value)
+
+    return ports.Port(ref, rank, here)
+
+
+def _reply_to_call() -> ports.Deliver:
+    """How the running controller call answers later: its `Reply`, from any thread."""
+    worker, call_id = host, host.call_id
+
+    def deliver(rank: int | None, ok: bool, value: Any) -> None:
+        worker.output.flush()
+        worker.send(protocol.Reply(call_id, ok), _answer_body(ok, value))
+
+    return deliver
+
+
+def _answer_body(ok: bool, value: Any) -> list[Any]:
+    """A call's answer as a reply body: the value, or the exception as the caller shows it (`ErrorInfo`)."""
+    if not ok:
+        return codec.dumps(describe(value))
+    try:
+        return codec.dumps(value)
+    except Exception as e:
+        return codec.dumps(describe(e, f"the result ({type(value).__name__}) cannot be pickled: "))
+
+
+def _start_task(
+    living: Living,
+    coro: Any,
+    port: ports.Port[Any],
+    explicit: bool,
+    what: str,
+    ctx: shared.Context,
+    concurrent_: bool,
+    call_id: int | None,
+) -> None:
+    """Run an `async def` endpoint's coroutine on the event loop; its result (or exception) goes to `port` when
+    it ends (an explicit-port endpoint answers for itself). A `concurrent_endpoint`'s starts at once; a plain one
+    after the actor's earlier plain ones ended (`living.queue`)."""
+
+    async def run() -> None:
+        token = shared.enter(ctx)  # (this task's own context: what `context()` gives inside)
+        try:
+            value = await coro
+        except asyncio.CancelledError:
+            if not explicit and not port._sent:
+                interrupted = call_id is not None and call_id in _interrupted
+                port.exception(KeyboardInterrupt() if interrupted else RuntimeError(f"{what} was cancelled"))
+            raise
+        except BaseException as e:
+            if not explicit and not port._sent:
+                port.exception(e)
+            else:
+                print(f"monarch: {what} raised after it answered through its port:", file=sys.stderr)
+                traceback.print_exception(e)
+            return
+        finally:
+            shared.leave(token)
+        if not explicit and not port._sent:
+            try:
+                port.send(value)
+            except Exception as e:  # (never silent: the caller waits for this answer)
+                print(f"monarch: {what}'s answer could not be sent:", file=sys.stderr)
+                traceback.print_exc()
+                if not port._sent:
+                    port.exception(e)
+
+    loop = _event_loop()
+    task: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    living.tasks.add(task)
+
+    def done(_: Any) -> None:
+        living.tasks.discard(task)
+        if call_id is not None:
+            deferred.pop(call_id, None)
+            _interrupted.discard(call_id)
+        if host is not None and not living.tasks:
+            mailbox().wake()  # (a message waiting for this actor's async calls to end goes on)
+
+    task.add_done_callback(done)
+    if call_id is not None:
+        deferred[call_id] = task
+
+    def begin() -> None:  # (on the event loop)
+        if task.cancelled():  # (before it started: the actor stopped)
+            coro.close()
+            task.set_running_or_notify_cancel()  # (a cancelled future counts as done for wait() once notified)
+            return
+        inner = asyncio.ensure_future(_sequenced(living, run) if not concurrent_ else run())
+        asyncio.futures._chain_future(inner, task)  # type: ignore[attr-defined]
+
+    loop.call_soon_threadsafe(begin)
+
+
+async def _sequenced(living: Living, run: Callable[[], Any]) -> None:
+    """Run `run()` when the actor's earlier plain `async def` calls have ended (event loop only)."""
+    if living.busy:
+        ready = asyncio.get_running_loop().create_future()
+        living.queue.append(lambda: ready.done() or ready.set_result(None))
+        await ready
+    living.busy = True
+    try:
+        await run()
+    finally:
+        if living.queue:
+            living.queue.popleft()()
+        else:
+            living.busy = False
+
+
+_interrupted: set[int] = set()
+
+
+def interrupt(call_id: int) -> bool:
+    """Ctrl-C for controller call `call_id`, answered by an `async def` endpoint's task here: cancel it (its
+    caller gets `KeyboardInterrupt`); whether there was one. Any thread (a signal handler)."""
+    task = deferred.get(call_id)
+    if task is None or _loop is None:
+        return False
+    _interrupted.add(call_id)
+    _loop.call_soon_threadsafe(task.cancel)
+    return True
 
 
 def cast(
     actor: str, endpoint: str, names: tuple[str, ...], sizes: tuple[int, ...], ranks: tuple[int, ...], arguments: bytes
 ) -> tuple[bool, Any]:
-    """Run one `broadcast()`'s endpoint here: (True, its result) or (False, the exception)."""
+    """Run one `broadcast()`'s (or `send()`'s) endpoint here: (True, its result) or (False, the exception);
+    (True, DEFERRED) when the answer went elsewhere (to the send's port, or to be reported later)."""
     worker = host
     rank = _message_rank(names, sizes, ranks)
+    port: ports.Port[Any] | None = None
     try:
-        args, kwargs = codec.loads(arguments)
+        args, kwargs, *rest = codec.loads(arguments)
+        port = rest[0] if rest else None
         if worker is not None:
             worker.in_user_code = True
-        return True, invoke(actor, endpoint, args, kwargs, rank)
+        answer = _to_port(port, rank.rank) if port is not None else _cast_failed(actor, endpoint)
+        ok, value = True, invoke(actor, endpoint, args, kwargs, rank, answer)
     except BaseException as e:  # (Ctrl-C too: it ends this message, not the worker)
-        return False, e
+        ok, value = False, e
     finally:
         if worker is not None:
             worker.in_user_code = False
+    if port is not None and value is not DEFERRED:
+        port._ranked(rank.rank)._post(ok, value)
+        return True, DEFERRED
+    return ok, value
 
 
-_views: dict[tuple, tuple[dict[str, int], dict[str, int]]] = {}
+def call_to_port(fn: Callable[..., Any], port: ports.Port[Any], args: tuple, kwargs: dict) -> None:
+    """`send(remote_fn, args, kwargs, port=)`: run a live function here, its result (or error) to `port`,
+    ranked with this worker's place in the view it was sent to."""
+    ranked = port._ranked(context.current_rank().rank)
+    try:
+        value = fn(*args, **kwargs)
+    except Exception as e:
+        ranked.exception(e)
+        return
+    ranked.send(value)
 
 
-def _message_rank(names: tuple[str, ...], sizes: tuple[int, ...], ranks: tuple[int, ...]) -> dict[str, int]:
-    """This process's coordinates in the view a message was sent to (and, on the side, sets it as the
-    current view, for `current_rank()`)."""
+def _to_port(port: ports.Port[Any], rank: int) -> ports.Deliver:
+    """An answer to `port`, sent as the actor at `rank` of the message's view."""
+    ranked = port._ranked(rank)
+    return lambda _, ok, value: ranked._post(ok, value)
+
+
+def _cast_failed(actor: str, endpoint: str) -> ports.Deliver:
+    """A broadcast's later answer: nothing, unless it failed (`CastFailed`, for the actor mesh's owner)."""
+    worker = host
+
+    def deliver(rank: int | None, ok: bool, value: Any) -> None:
+        if not ok and worker is not None:
+            worker.output.flush()
+            worker.send(protocol.CastFailed(actor, endpoint), codec.dumps(describe(value)))
+
+    return deliver
+
+
+_views: dict[tuple, tuple[Point, dict[str, int], dict[str, int]]] = {}
+
+
+def _message_rank(names: tuple[str, ...], sizes: tuple[int, ...], ranks: tuple[int, ...]) -> Point:
+    """This process's place in the view a message was sent to (and, on the side, sets it as the current view,
+    for `current_rank()`)."""
     key = (names, sizes, ranks)
     got = _views.get(key)
     if got is None:
         view = Shape(names, sizes, ranks)
-        got = (view.coords(ranks.index(context.worker.rank)), view.size_dict)
+        index = ranks.index(context.worker.rank)
+        got = (Point(index, view.size_dict), view.coords(index), view.size_dict)
         if len(_views) < 1024:
             _views[key] = got
-    context.view = context.CallView(dict(got[0]), dict(got[1]))
-    return dict(got[0])
+    context.view = context.CallView(dict(got[1]), dict(got[2]))
+    return got[0]
 
 
 def stop(name: str) -> bool:
-    """Forget actor `name` (its object goes when nothing else holds it); whether there was one."""
-    return _actors.pop(name, None) is not None
+    """Stop actor `name`: its concurrent tasks are cancelled, its `__cleanup__(None)` runs, its object goes
+    when nothing else holds it; whether there was one."""
+    living = _actors.pop(name, None)
+    if living is None:
+        return False
+    _clean_up(name, living, None)
+    return True
+
+
+def stop_all() -> None:
+    """Stop every actor of this process, the last spawned first (the process is exiting)."""
+    for name in reversed(list(_actors)):
+        stop(name)
+
+
+def _clean_up(name: str, living: Living, exc: BaseException | None) -> None:
+    """Cancel the actor's concurrent tasks and wait for them, then run its `__cleanup__(exc)` (awaited on the
+    event loop if `async def`); each within `CLEANUP_WAIT` seconds, errors said on stderr."""
+    tasks = list(living.tasks)
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        concurrent.futures.wait(tasks, CLEANUP_WAIT)
+    cleanup = getattr(living.obj, "__cleanup__", None)
+    if cleanup is None:
+        return
+    token = shared.enter(shared.Context(living.instance, living.instance.rank))
+    try:
+        result = cleanup(exc)
+        if inspect.isawaitable(result):
+            _await(result, CLEANUP_WAIT)
+    except BaseException:
+        print(f"monarch: {name}.__cleanup__ raised:", file=sys.stderr)
+        traceback.print_exc()
+    finally:
+        shared.leave(token)
 
 
 def running() -> list[tuple[str, str]]:
     """(name, class name) of each actor on this process."""
-    return [(name, type(actor).__name__) for name, (actor, _) in _actors.items()]
+    return [(name, type(living.obj).__name__) for name, living in _actors.items()]
 
 
-def _enter(instance: shared.ActorInstance, message_rank: dict[str, int]) -> shared.Context | None:
-    before = shared.current
-    shared.current = shared.Context(instance, message_rank)
-    return before
-
-
-def _await(awaitable: Any) -> Any:
-    """Run `awaitable` on this process's event loop and wait for it, serving the inbox meanwhile; Ctrl-C (the
-    call interrupted) cancels it."""
+def _event_loop() -> asyncio.AbstractEventLoop:
     global _loop
     if _loop is None:
         _loop = asyncio.new_event_loop()
         threading.Thread(target=_loop.run_forever, name="monarch-actors-loop", daemon=True).start()
+    return _loop
+
+
+def _await(awaitable: Any, timeout: float | None = None) -> Any:
+    """Run `awaitable` on this process's event loop and wait for it, serving the inbox meanwhile (on the main
+    thread); Ctrl-C (the call interrupted) cancels it."""
 
     async def run() -> Any:
         return await awaitable
 
-    future = asyncio.run_coroutine_threadsafe(run(), _loop)
+    future = asyncio.run_coroutine_threadsafe(run(), _event_loop())
     box = mailbox()
+    if threading.get_ident() != box.main:
+        return future.result(timeout)
     future.add_done_callback(lambda _: box.wake())
     try:
-        box.pump(future.done)
+        if timeout is None:
+            box.pump(future.done)
+        else:
+            pump_for(box, future.done, timeout, "an actor's coroutine")
         return future.result()
     except KeyboardInterrupt:
         future.cancel()
@@ -145,6 +457,22 @@ def loop() -> asyncio.AbstractEventLoop | None:
     return _loop
 
 
+def pump_for(box: Mailbox, done: Callable[[], bool], timeout: float, what: str) -> None:
+    """`box.pump(done)` for at most `timeout` seconds (`TimeoutError` naming `what` after)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    timer = threading.Timer(timeout, box.wake)
+    timer.daemon = True
+    timer.start()
+    try:
+        box.pump(lambda: done() or time.monotonic() >= deadline)
+    finally:
+        timer.cancel()
+    if not done():
+        raise TimeoutError(f"{what}: no answer within {timeout} s")
+
+
 # -- the mailbox: this process's inbox and its outboxes -------------------------------------------------
 class Mailbox:
     """This process's inbox (other actors' messages to ours) and outboxes (ours to theirs), all used by the
@@ -153,7 +481,7 @@ class Mailbox:
     def __init__(self) -> None:
         self.worker = host
         assert self.worker is not None, "actors run on a worker"
-        self.main = threading.get_ident()
+        self.main = self.worker.main_thread
         transport = self.worker.transport
         self.ctx = transport.ctx
         self.inbox = Inbox(self.ctx, transport.keys)
@@ -164,6 +492,7 @@ class Mailbox:
         self.posted: collections.deque[Callable[[], None]] = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self.poller = zmq.Poller()
         self.poller.register(self.inbox.sock, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
@@ -238,8 +567,13 @@ class Mailbox:
         sock = self.inbox.sock
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             got = self.inbox.recv()
-            if got is not None:
-                self._serve(*got)
+            if got is None:
+                continue
+            identity, env = got
+            if type(env.message) is protocol.PortSend:
+                take_port_message(env)
+            else:
+                self._serve(identity, env)
 
     def _serve(self, identity: bytes, env: codec.Envelope) -> None:
         """Run one actor message here, as a call of the controller's would run (its output goes to the call
@@ -249,31 +583,56 @@ class Mailbox:
         before = (worker.call_id, worker.in_user_code, context.view)
         worker.call_id = msg.origin
         rank = _message_rank(msg.names, msg.sizes, msg.ranks)
+        port: ports.Port[Any] | None = None
         ok = True
         try:
-            args, kwargs = codec.loads(env.body, env.buffers)
+            args, kwargs, *rest = codec.loads(env.body, env.buffers)
+            port = rest[0] if rest else None
             worker.in_user_code = True
-            value = invoke(msg.actor, msg.endpoint, args, kwargs, rank)
+            value = invoke(msg.actor, msg.endpoint, args, kwargs, rank, self._answer_for(msg, identity, port, rank))
         except BaseException as e:  # (Ctrl-C too: the sender waits for an answer)
-            ok, value = False, describe(e)
+            ok, value = False, e
         finally:
             worker.in_user_code = False
-        if msg.call_id:
-            try:
-                body = codec.dumps(value)
-            except Exception as e:
-                ok, body = False, codec.dumps(describe(e, f"the result ({type(value).__name__}) cannot be pickled: "))
-            worker.output.flush()
-            self.inbox.answer(identity, protocol.ActorAnswer(msg.call_id, ok), body)
-        else:
-            worker.output.flush()
-            if not ok:
+        worker.output.flush()
+        if value is not DEFERRED:
+            if msg.call_id:
+                self._answer(identity, msg.call_id, ok, value)
+            elif port is not None:
+                port._ranked(rank.rank)._post(ok, value)
+            elif not ok:
+                info = describe(value)
                 print(
                     f"monarch: {msg.actor}.{msg.endpoint} (a broadcast from another actor) failed:\n"
-                    f"{value.traceback or value.exc_type + ': ' + value.message}",
+                    f"{info.traceback or info.exc_type + ': ' + info.message}",
                     file=sys.stderr,
                 )
         worker.call_id, worker.in_user_code, context.view = before
+
+    def _answer_for(
+        self, msg: protocol.ActorSend, identity: bytes, port: ports.Port[Any] | None, rank: Point
+    ) -> ports.Deliver:
+        """Where an actor message's later answer goes (an endpoint that answers through its port)."""
+        if msg.call_id:
+            call_id = msg.call_id
+            return lambda _, ok, value: self.post(lambda: self._answer(identity, call_id, ok, value))
+        if port is not None:
+            return _to_port(port, rank.rank)
+        return lambda _, ok, value: None
+
+    def _answer(self, identity: bytes, call_id: int, ok: bool, value: Any) -> None:
+        self.inbox.answer(identity, protocol.ActorAnswer(call_id, ok), _answer_body(ok, value))
+
+
+def take_port_message(env: codec.Envelope) -> None:
+    """A `PortSend` for a port of this process (from the inbox, or down the command connection)."""
+    msg: protocol.PortSend = env.message
+    try:
+        value = codec.loads(env.body, env.buffers)
+        ok = msg.ok
+    except Exception as e:
+        ok, value = False, RuntimeError(f"a message to a port could not be unpickled here: {type(e).__name__}: {e}")
+    ports.take(msg.port_id, msg.rank, ok, value)
 
 
 _box: Mailbox | None = None
@@ -290,3 +649,50 @@ def mailbox() -> Mailbox:
             )
         _box = Mailbox()
     return _box
+
+
+# -- ports: this process's router ------------------------------------------------------------------------
+class WorkerRouter:
+    """How a worker reaches ports of other processes (`common/ports.py`): a worker's through its inbox, the
+    controller's up this worker's reply connection."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+
+    def here(self) -> tuple[int, int] | None:
+        return (self.worker.mesh_id, self.worker.rank)
+
+    def inbox(self) -> Any:
+        return mailbox().inbox.address
+
+    def deliver(self, ref: ports.PortRef, rank: int | None, ok: bool, value: Any) -> None:
+        message = protocol.PortSend(ref.port_id, ports.UNRANKED if rank is None else rank, ok)
+        body = _port_body(ok, value)
+        if ref.owner is None:
+            self.worker.send(message, body)
+            return
+        box = mailbox()
+        box.post(lambda: box.outbox(ref.inbox).send(message, body))
+
+    def block(self, done: Callable[[], bool], timeout: float | None) -> None:
+        if threading.get_ident() != self.worker.main_thread:
+            return  # (another thread waits on the future itself)
+        box = mailbox()
+        if timeout is None:
+            box.pump(done)
+        else:
+            try:
+                pump_for(box, done, timeout, "a port")
+            except TimeoutError:
+                pass
+
+
+def _port_body(ok: bool, value: Any) -> list[Any]:
+    """A port message's body: the value, or the exception itself (a stand-in naming it if it cannot be
+    pickled)."""
+    try:
+        return codec.dumps(value)
+    except Exception as e:
+        if ok:
+            raise TypeError(f"port.send({type(value).__name__}): the value cannot be pickled: {e}") from e
+        return codec.dumps(RuntimeError(f"{type(value).__qualname__}: {value}"))

@@ -58,7 +58,8 @@ class Output:
         return True
 
     def flush(self) -> None:
-        """Send everything written so far; called before each reply so output precedes it."""
+        """Send everything written so far; called before each reply so output precedes it (any thread: an
+        actor's `async def` endpoint answers from the event loop's)."""
         if not self.streams:
             return
         for f in (sys.stdout, sys.stderr):
@@ -70,9 +71,8 @@ class Output:
                 f.flush()
             except (OSError, ValueError, AttributeError):
                 pass
-        ready = self._pending.poll(0)
         with self.lock:  # even with nothing ready: the output thread may hold text it read but has not sent
-            for fd, _ in ready:
+            for fd, _ in self._pending.poll(0):  # (under the lock: a poll object takes one caller at a time)
                 self._drain(fd)
 
 

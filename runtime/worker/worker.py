@@ -18,13 +18,14 @@ import signal
 import socket
 import struct
 import sys
+import threading
 import traceback
 from typing import Any
 
 import cloudpickle
 import torch
 
-from monarch.runtime.common import context, errors, log
+from monarch.runtime.common import context, errors, log, ports
 from monarch.runtime.common.shape import Shape
 from monarch.runtime.wire import codec, protocol
 from monarch.runtime.wire.store import store_client
@@ -79,6 +80,8 @@ class Worker:
         """(collective, where) when the control thread released this call from a collective."""
         self.cancelled: set[int] = set()
         """Calls interrupted before they started here (this worker was busy with another call)."""
+        self.main_thread = threading.get_ident()
+        """The thread that serves messages (actors' sockets belong to it)."""
         self.handlers = {kind: getattr(self, name) for kind, name in HANDLERS.items()}
         self._debug = _log.isEnabledFor(logging.DEBUG)
         signal.signal(signal.SIGINT, self._on_sigint)
@@ -87,6 +90,7 @@ class Worker:
         stdin.install(self)
         self.control = Control(self, self.targets)
         actors.host = self
+        ports.ROUTER = actors.WorkerRouter(self)
 
     def _on_sigint(self, signum, frame) -> None:
         (target,) = struct.unpack_from("<q", self.targets, protocol.SLOT * self.rank)
@@ -95,6 +99,9 @@ class Worker:
             if lane is not None and lane.defer_interrupt():
                 return  # (raised as soon as the message this thread reads or writes is whole)
             raise KeyboardInterrupt
+        if target > 0 and target in actors.deferred:  # an actor's `async def` endpoint answers it: cancel it
+            actors.interrupt(target)
+            return
         if target > 0:  # a call not started yet (perhaps queued behind another thread's): skip it
             if len(self.cancelled) > 1024:  # ids of calls that had finished as they were interrupted
                 self.cancelled = set(sorted(self.cancelled)[512:])
@@ -124,7 +131,7 @@ class Worker:
                     f"(spawn at most {gpus} per host to give each its own GPU)",
                     file=sys.stderr,
                 )
-        context.worker = context.WorkerInfo(self.rank, cfg.coords, cfg.sizes, cfg.local_rank, device)
+        context.worker = context.WorkerInfo(self.rank, cfg.coords, cfg.sizes, cfg.local_rank, device, self.mesh_id)
         context.view = context.CallView(dict(cfg.coords), dict(cfg.sizes))
         store = store_client(self.transport, datetime.timedelta(seconds=cfg.group_timeout))
         groups.current = groups.Groups(store, self.mesh_id, self.rank, cfg.sizes, cfg.group_timeout, backend)
@@ -167,6 +174,7 @@ class Worker:
             except Exception:  # a bug of ours: report it, keep serving
                 traceback.print_exc()
         _log.info("exiting, as the controller asked")
+        actors.stop_all()  # (their `__cleanup__`, before our last output and Goodbye)
         self._close(goodbye=True)
 
     def _unsupported(self, message: Any) -> None:
@@ -274,14 +282,22 @@ class Worker:
                 raise RuntimeError(f"this function could not be loaded on this worker: {type(fn).__name__}: {fn}")
             args, kwargs = codec.loads(env.body, env.buffers)
             self.in_user_code = True  # (first: Ctrl-C from here on is raised, before it lands in `cancelled`)
+            debugged = stdin.answered
             try:
                 if call_id in self.cancelled:  # (after keeping the function: later calls rely on it)
                     raise KeyboardInterrupt("interrupted before it started")
                 value = fn(*args, **kwargs)
             except bdb.BdbQuit:
                 value = None  # `q` at a pdb prompt: the call ends quietly on this rank, as a cell does
+            except Exception as e:
+                stdin.post_mortem_if_debugged(e, debugged)  # (debugged in pdb: stops there first)
+                raise
             finally:
                 self.in_user_code = False
+            if value is actors.DEFERRED:  # an actor answers through its port, later (`actors.invoke`)
+                self.output.flush()
+                self.call_id = None
+                return
             ok, body = (True, _NONE) if value is None else _result(value)
         except BaseException as e:
             ok, body = False, self._failure(call_id, e)

@@ -13,7 +13,7 @@ Import this package (``from monarch.runtime.wire import protocol``): it register
 message's wire tag is written next to it (`message(tag)`).
 """
 
-from monarch.runtime.wire.protocol.actors import ActorAnswer, ActorSend, Cast, CastFailed
+from monarch.runtime.wire.protocol.actors import ActorAnswer, ActorSend, Cast, CastFailed, PortSend
 from monarch.runtime.wire.protocol.agent import (
     LINK,
     AgentHello,
@@ -58,6 +58,7 @@ from monarch.runtime.wire.protocol.tensor import (
     Alias,
     BorrowEnd,
     BorrowStart,
+    CallActor,
     FailResults,
     Free,
     MoveWithin,
@@ -87,6 +88,8 @@ __all__ = [
     "ActorSend",
     "Cast",
     "CastFailed",
+    "PortSend",
+    "CallActor",
     "AgentHello",
     "AgentInfo",
     "Alias",

@@ -1,13 +1,14 @@
 """Actors calling actors: worker -> worker, straight to the receiving worker's inbox (`wire/actor_end.py`),
 never through the controller. A message (`ActorSend`) runs one endpoint; a call is answered (`ActorAnswer`)
 on the same connection. And the controller's `broadcast()`: `Cast` down the command connection, answered only
-when it fails (`CastFailed`, up the reply connection)."""
+when it fails (`CastFailed`, up the reply connection). A message to a port (`PortSend`, `common/ports.py`)
+takes whichever of these ways leads to the port's process."""
 
 from __future__ import annotations
 
 from monarch.runtime.wire.protocol.base import message
 
-__all__ = ["ActorAnswer", "ActorSend", "Cast", "CastFailed"]
+__all__ = ["ActorAnswer", "ActorSend", "Cast", "CastFailed", "PortSend"]
 
 
 @message(51)
@@ -50,3 +51,16 @@ class CastFailed:
 
     actor: str
     endpoint: str
+
+
+@message(55)
+class PortSend:
+    """A message to port `port_id` of the receiving process (`common/ports.py`): a value (`ok`) or an exception
+    (the receiver's `recv()` raises it), pickled in the body. To a worker through its inbox (from workers and
+    the controller alike: a worker busy in a call still serves its inbox); to the controller up the sender's
+    reply connection."""
+
+    port_id: int
+    rank: int
+    """The sender's rank, for a ranked receiver (`ports.UNRANKED` when its port had none)."""
+    ok: bool

@@ -170,6 +170,20 @@ class ProfileMark:
     enter: bool
 
 
+@message(56)
+class CallActor:
+    """`actors.endpoint.rref(...)`: call endpoint `endpoint` of this worker's actor `actor` with the tensors its
+    `Ref`s name (the actors live in the tensor engine's processes), and keep its result under the ids in `out`
+    (a failure poisons them, as an op's does)."""
+
+    actor: str
+    endpoint: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    out: Any
+    where: str
+
+
 def pack_commands(cmds: list[Any]) -> list[tuple[Any, ...]]:
     """A batch of tensor commands for the wire (`OnStream` holds a command: packed too). A command may come
     packed already (`op_tuple`: the controller makes each op that way)."""

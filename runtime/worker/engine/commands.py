@@ -197,6 +197,25 @@ def _fail(cmd: P.Op, poison: Poison) -> None:
                 table[ref.id] = poison
 
 
+def _call_actor(cmd: P.CallActor) -> None:
+    """`rref`: an actor's endpoint on this worker's tensors; its result kept as the command's outputs."""
+    from monarch.runtime.worker import actors  # (the actors of this process; imported when one is called)
+
+    poisons: list[Poison] = []
+    a = resolve(cmd.args, poisons)
+    k = resolve(cmd.kwargs, poisons) if cmd.kwargs else cmd.kwargs
+    if poisons:
+        store(cmd.out, poisons[0])
+        return
+    try:
+        value = actors.invoke(cmd.actor, cmd.endpoint, a, k)
+    except Exception as e:
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        store(cmd.out, Poison.of(e, cmd.where, tb))
+        return
+    store(cmd.out, value)
+
+
 _HANDLERS = {
     P.Op: _run_op,
     P.Reduce: comms.reduce,
@@ -207,6 +226,7 @@ _HANDLERS = {
     P.Free: _free,
     P.Seed: _seed,
     P.FailResults: _fail_results,
+    P.CallActor: _call_actor,
     P.BorrowStart: _borrow_start,
     P.BorrowEnd: _borrow_end,
     P.ProfileStart: lambda c: profiling.start(c.config),

@@ -129,6 +129,23 @@ def fetch(ref_id: int) -> torch.Tensor:
     return v
 
 
+def local(mesh_id: int, ref_id: int) -> torch.Tensor:
+    """What a `monarch.Tensor` given to an actor's endpoint (or a live function) becomes on the worker: this
+    worker's tensor (what `monarch.Tensor.__reduce_ex__` names)."""
+    w = context.worker
+    if w is None or w.mesh_id != mesh_id:
+        raise ValueError(
+            f"a monarch.Tensor of mesh {mesh_id} was sent to a worker of another mesh "
+            f"({'none' if w is None else w.mesh_id}): its values live on its own mesh's workers; move it with "
+            "t.to_mesh(other) first, or fetch it (monarch.inspect) and send the value"
+        )
+    v = table.get(ref_id)
+    if v is None or isinstance(v, Poison):
+        return fetch(ref_id)  # (raises, saying why)
+    sync_streams()
+    return v
+
+
 def table_size() -> int:
     """How many values this worker holds (for tests of lifetime)."""
     return len(table)
