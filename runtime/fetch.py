@@ -47,7 +47,13 @@ def _no_modes() -> Any:
 
 
 def fetch_shard(t: Tensor, **coords: int):
-    """A future for the value of `t` on the worker at `coords` (default: the first)."""
+    """A future for the value of `t` on the worker at `coords` (default: the first). A local tensor (what an
+    actor computes with its own process's tensor engine, `context().actor_instance.proc_mesh`) is its own
+    value: a done future of it."""
+    if not isinstance(t, Tensor) and isinstance(t, torch.Tensor):
+        from monarch.runtime.values import Done
+
+        return Done(t)
     with _no_modes():
         return Shard(_fetch(t, "fetch_shard", _fetcher, coords))
 

@@ -427,3 +427,150 @@ def test_distributed_tensors_meet_actors_on_the_same_workers(procs):
             other.spawn("lin2", Linear).describe.call_one(out).get()
     finally:
         other.exit()
+
+
+class Producer(Actor):
+    """Sends a port as fast as it can until stopped (Monarch's grpo_yield generators)."""
+
+    @endpoint
+    async def start(self, port: Port) -> None:
+        self.running = True
+        self.task = asyncio.create_task(self._loop(port))
+
+    async def _loop(self, port: Port) -> None:
+        i = 0
+        while self.running:
+            port.send(i)
+            i += 1
+            await asyncio.sleep(0)
+
+    @endpoint
+    async def stop_producing(self) -> None:
+        self.running = False
+        await self.task
+
+
+class Relay(Actor):
+    """Takes from its own port and passes on, from an `async def` endpoint's task."""
+
+    def __init__(self) -> None:
+        self.port, self.receiver = Channel.open()
+
+    @endpoint
+    def where(self) -> Port:
+        return self.port
+
+    @endpoint
+    async def relay(self, out: Port, n: int) -> None:
+        for _ in range(n):
+            out.send(await self.receiver.recv())
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+
+class Queue(Actor):
+    """Monarch's grpo_actor queue: `get` waits for what `put` brings (so it must not hold the actor's turn)."""
+
+    def __init__(self) -> None:
+        self.items: asyncio.Queue = asyncio.Queue()
+
+    @endpoint
+    async def put(self, x: int) -> None:
+        await self.items.put(x)
+
+    @concurrent_endpoint
+    async def get(self) -> int:
+        return await self.items.get()
+
+    @endpoint
+    async def stop(self) -> str:  # an endpoint named as an actor mesh's method: `q.stop.call_one()` reaches it
+        return "stopped the queue's work"
+
+    @endpoint(explicit_response_port=True)
+    def later(self, port: Port) -> None:
+        self.port = port  # never answered: a caller with a timeout gets TimeoutError
+
+    @endpoint
+    async def slow(self, gate: str) -> str:
+        while not os.path.exists(gate):
+            await asyncio.sleep(0.01)
+        return "slow done"
+
+
+class Caller(Actor):
+    def __init__(self, q) -> None:
+        self.q = q
+
+    @endpoint
+    def wait_briefly(self) -> str:
+        try:
+            self.q.later.call_one().get(timeout=0.5)
+        except TimeoutError as e:
+            return f"TimeoutError: {e}"
+        return "answered"
+
+
+def test_a_flooded_process_still_sends_what_its_tasks_send(procs):
+    """Producers sending a port faster than its process takes it (Monarch's grpo_yield): that process's own
+    sends (from an `async def` endpoint's task) and the controller's calls still get their turn."""
+    flood = this_host().spawn_procs({"gpus": 2})
+    try:
+        relay = procs.slice(gpus=0).spawn("relay", Relay)
+        producers = flood.spawn("producers", Producer)
+        producers.start.call(relay.where.call_one().get()).get()
+        out, receiver = Channel.open()
+        relaying = relay.relay.call_one(out, 200)
+        got = [receiver.recv().get(timeout=60) for _ in range(200)]
+        assert len(got) == 200 and relay.ping.call_one().get(timeout=60) == "pong"
+        relaying.get(timeout=60)
+        producers.stop_producing.call().get(timeout=60)
+    finally:
+        flood.exit()
+
+
+def test_async_endpoints_run_one_at_a_time_per_actor_and_actors_do_not_block_each_other(procs, tmp_path):
+    q = procs.slice(gpus=1).spawn("queue", Queue)
+    other = procs.slice(gpus=1).spawn("other", Queue)  # another actor of the same process
+    gate = str(tmp_path / "gate")
+    waiting = q.get.call_one()  # a concurrent endpoint waits for what put brings; put is not held behind it
+    slow = q.slow.call_one(gate)  # a plain async endpoint holds this actor's turn...
+    assert other.stop.call_one().get(timeout=30) == "stopped the queue's work"  # ...not the other actor's
+    q.put.call_one(7)  # (queued behind `slow`, in the order sent)
+    open(gate, "w").close()
+    assert slow.get(timeout=30) == "slow done" and waiting.get(timeout=30) == 7
+    # an endpoint named `stop`: `q.stop()` still stops the actor mesh
+    assert q.stop.call_one().get(timeout=30) == "stopped the queue's work"
+    # a reference's get(timeout=) raises TimeoutError when no answer comes (Monarch's crawler relies on it)
+    c = procs.slice(gpus=0).spawn("caller", Caller, q)
+    assert c.wait_briefly.call_one().get(timeout=30).startswith("TimeoutError: queue.later")
+    assert q.stop().get() is None and other.stop().get() is None
+
+
+class OwnEngine(Actor):
+    """Monarch's grpo_actor_te: an actor running the tensor engine on its own process."""
+
+    @endpoint
+    async def step(self) -> float:
+        import torch
+
+        from monarch.fetch import fetch_shard
+
+        with context().actor_instance.proc_mesh.activate():
+            t = torch.ones(4) * 2
+        return (await fetch_shard(t.sum())).item()
+
+
+def test_an_actor_drives_its_own_process_tensor_engine():
+    one = this_host().spawn_procs({"gpus": 1})
+    try:
+        assert one.spawn("own", OwnEngine).step.call_one().get(timeout=30) == 8.0
+    finally:
+        one.exit()
+    two = this_host().spawn_procs({"gpus": 2})
+    try:
+        with pytest.raises(monarch.RemoteError, match=r"each actor would drive every process of its mesh"):
+            two.spawn("own", OwnEngine).step.call().get(timeout=30)
+    finally:
+        two.exit()

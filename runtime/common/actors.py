@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from traceback import TracebackException
 from typing import Any, TypeVar
 
-from monarch.runtime.common.mesh_trait import Extent, Point
+from monarch.runtime.common.mesh_trait import Extent, MeshTrait, Point
+from monarch.runtime.common.shape import Shape
 
 ENDPOINT = "__monarch_endpoint__"
 """The attribute `@endpoint` sets on a method (its `EndpointOptions`)."""
@@ -140,13 +141,39 @@ class ActorInstance:
         return f"{self.name}[{self.rank.rank}] on {self.proc_id or 'this process'}"
 
     @property
-    def proc_mesh(self) -> Any:
-        raise NotImplementedError(
-            "context().actor_instance.proc_mesh: an actor has no handle on its own process mesh here (meshes are "
-            "spawned and driven from the controller); pass the ProcMesh, or an actor mesh, to the actor instead"
-        )
+    def proc_mesh(self) -> OwnProcess:
+        """The process this actor runs in, as a mesh: its `activate()` runs the tensor engine's ops here, on this
+        process's own tensors (Monarch's actors drive their process's tensor engine this way)."""
+        return OwnProcess(self)
 
     proc = proc_mesh
+
+
+class OwnProcess(MeshTrait):
+    """An actor's own process as a proc mesh (`context().actor_instance.proc_mesh`). `activate()` makes torch
+    ops inside run here, on this process's device, and their results are this process's tensors
+    (`monarch.fetch_shard` of one is a done future): the tensor engine of a mesh of one process, run by that
+    process. An actor of a mesh of several processes reaching for all of them from inside is refused: meshes are
+    driven from the controller here (give it the mesh's tensors as endpoint arguments, or use `rref`)."""
+
+    def __init__(self, instance: ActorInstance) -> None:
+        self._instance = instance
+        self._shape = Shape((), (), (0,))
+
+    def _new_with_shape(self, shape: Shape) -> OwnProcess:
+        return self
+
+    def activate(self) -> Any:
+        import contextlib
+
+        if self._instance.rank.extent.nelements > 1:
+            raise NotImplementedError(
+                f"context().actor_instance.proc_mesh.activate() in actor {self._instance.name!r}, one of "
+                f"{self._instance.rank.extent.nelements}: each actor would drive every process of its mesh. Here an "
+                "actor's tensor engine is its own process's (a mesh of one process); drive a mesh of several from "
+                "the controller (`with procs.activate():`, `endpoint.rref(...)`)"
+            )
+        return contextlib.nullcontext(self)
 
 
 @dataclass

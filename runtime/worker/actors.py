@@ -42,6 +42,8 @@ from monarch.runtime.worker.describe import describe
 DEFERRED = type("Deferred", (), {"__repr__": lambda self: "DEFERRED"})()
 """What `invoke` returns when the answer goes through the message's response port instead (see the module)."""
 
+INBOX_BATCH = 64
+"""Inbox messages served in a row before what else waits (sends posted by other threads, commands) is looked at."""
 CLEANUP_WAIT = 10.0
 """Seconds an actor's concurrent tasks and `__cleanup__` may take when it stops, before the stop goes on."""
 
@@ -545,15 +547,19 @@ class Mailbox:
                 os.read(self._wake_r, 4096)
             except BlockingIOError:
                 pass
-        while self.posted:
-            self.posted.popleft()()
+        self._run_posted()
         for sock in events:
             box = self._socks.get(sock)
             if box is not None:
                 self._take_answers(box)
         if self.inbox.sock in events:
             self._serve_inbox()
+            self._run_posted()
         return cmd is not None and cmd in events
+
+    def _run_posted(self) -> None:
+        while self.posted:
+            self.posted.popleft()()
 
     def _take_answers(self, box: Outbox) -> None:
         while box.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -564,8 +570,13 @@ class Mailbox:
                     take(env)
 
     def _serve_inbox(self) -> None:
+        """Serve up to `INBOX_BATCH` messages of the inbox: under a flood (producers sending a port faster than
+        this process takes it) what this process's tasks send, and the controller's commands, still get their
+        turn between batches (the next poll sees the rest at once)."""
         sock = self.inbox.sock
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        for _ in range(INBOX_BATCH):
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
             got = self.inbox.recv()
             if got is None:
                 continue
