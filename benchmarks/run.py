@@ -4,8 +4,10 @@
     TORCHMONARCH_PYTHON=/path/to/venv/bin/python ./run bench   # adds Meta's Monarch (own venv:
                                 # its import name is also `monarch`)
     ./run bench --workloads     # adds benchmarks/workloads.py: nanoGPT and the Llama FSDP step vs torchrun
-    ./run bench --actors        # adds benchmarks/actors.py: actors vs torchmonarch (TORCHMONARCH_PYTHON) and
-                                # a raw pyzmq echo, the floor
+    ./run bench --actors        # adds benchmarks/actors.py (actors, ports and the RL loop vs torchmonarch:
+                                # TORCHMONARCH_PYTHON; a raw pyzmq echo, the floor), benchmarks/spmd.py (a
+                                # torchrun script's start through SPMDActor) and benchmarks/rdma.py (RDMABuffer
+                                # bandwidth against a copy)
     ./run bench --before REV    # adds this project at git revision REV ("monarch before"), installed
                                 # beside the checkout, measured in the same run (a change's before/after)
 
@@ -346,9 +348,10 @@ def main() -> None:
     if "--workloads" in sys.argv:  # (minutes: real training side by side with torchrun; Slurm's part needs root)
         print(flush=True)
         subprocess.run([sys.executable, os.path.join(here, "workloads.py")], check=False)
-    if "--actors" in sys.argv:  # (a minute or two: the same actors on monarch and torchmonarch, and the floor)
-        print(flush=True)
-        subprocess.run([sys.executable, os.path.join(here, "actors.py")], check=False)
+    if "--actors" in sys.argv:  # (minutes: the same actor programs on monarch and torchmonarch, and their floors)
+        for script in ("actors.py", "spmd.py", "rdma.py"):
+            print(flush=True)
+            subprocess.run([sys.executable, os.path.join(here, script)], check=False)
 
 
 if __name__ == "__main__":
