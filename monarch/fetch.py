@@ -4,7 +4,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # (imported when first used: `import monarch.fetch` imports no torch)
+    from monarch.extension.show import show
+    from monarch.runtime.fetch import fetch_shard, inspect
 
 __all__ = ["fetch_shard", "inspect", "show"]
 

@@ -37,13 +37,22 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 def as_nobody(attack: str, *args) -> subprocess.Popen:
     """Run `helpers.attacker.<attack>(*args)` as uid/gid `nobody` in a fresh interpreter (a fork of this threaded
     process could hang on a lock another thread held), and wait until it says it is in place."""
+    return _attacker(attack, args, "attacker.become_nobody(); ")
+
+
+def as_ourselves(attack: str, *args) -> subprocess.Popen:
+    """`as_nobody`, as a process of our own user (which can reach our private directory)."""
+    return _attacker(attack, args, "")
+
+
+def _attacker(attack: str, args: tuple, become: str) -> subprocess.Popen:
     code = (
-        "import json, sys; from helpers import attacker; attacker.become_nobody(); "
+        f"import json, sys; from helpers import attacker; {become}"
         "print(json.dumps(getattr(attacker, sys.argv[1])(*json.loads(sys.argv[2]))))"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, attack, json.dumps(args)], cwd=TESTS, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-c", code, attack, json.dumps(args)], cwd=TESTS, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     line, deadline = b"", time.monotonic() + 60
     while not line.endswith(b"\n") and select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))[0]:
@@ -144,6 +153,51 @@ def test_a_lane_opened_by_another_user_is_closed_unread():
     finally:
         server.close()
         os.rmdir(where)
+
+
+def test_a_process_of_ours_claiming_huge_or_endless_messages_on_the_lanes_socket_changes_nothing(capfd):
+    """Before: a 12-byte header claiming 512 MiB and a byte raised the controller's memory by 512 MB; one
+    claiming just under 1 TiB raised MemoryError on every read, ~12,000 tracebacks in seconds, every later
+    call failed and the lane was never dropped. A connection that has not signed a message may claim 1 MiB,
+    its buffer grows only as bytes come, and one that misbehaves is closed, said once (rate-limited). The same
+    claims against a ZeroMQ socket of ours (its buffers are made lazily) cost nothing either."""
+    mesh = this_host().spawn_procs({"gpu": 2})
+    pids = worker_pids(mesh)
+    transport = get_controller().backend.transport
+    try:
+        assert echo.on(mesh)(1).values() == [1, 1]
+        before = _rss_mib()
+        attacker = as_ourselves("lane_flood", transport.lanes.path)
+        # (meshes serve while it attacks, and while its idle half-header connection stays open)
+        for i in range(20):
+            assert echo.on(mesh)(i).values() == [i, i]
+        got = result_of(attacker, timeout=300)
+        assert got == {
+            "claim_512_mib": "closed", "claim_1_tib": "closed", "many_frames": "closed",
+            "endless_message": "closed", "endless_junk": "closed", "reconnects": 200,
+        }  # fmt: skip
+        # ZeroMQ's sockets (host agents' replies, the store) make a message's buffer from its header too, but
+        # lazily: an impossible claim closes the connection, a possible one costs nothing until bytes come.
+        claims = as_ourselves("zmq_claims", transport.reply_addr.removeprefix("ipc://"))
+        assert echo.on(mesh)(4).values() == [4, 4]
+        assert _rss_mib() - before < 100, f"the controller's memory grew from {before:.0f} to {_rss_mib():.0f} MiB"
+        assert result_of(claims) == {"claim_512_mib": "open", "claim_1_tib": "closed"}
+        assert echo.on(mesh)(b"\0" * (20 << 20)).values() == [20 << 20] * 2  # (a large reply: a lane grows still)
+        assert _rss_mib() - before < 100, f"the controller's memory grew from {before:.0f} to {_rss_mib():.0f} MiB"
+        lanes = transport.lanes.lanes
+        wait_for(lambda: all(lane.owner is not None for lane in lanes.values()), what="only workers' lanes left")
+        again = this_host().spawn_procs({"gpu": 2})  # spawning still works
+        assert echo.on(again)(3).values() == [3, 3]
+        again_pids = worker_pids(again)
+        again.exit()
+    finally:
+        mesh.exit()
+    assert wait_gone(pids + again_pids) == []
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "MemoryError" not in err, err[-3000:]
+    closed = [ln for ln in err.splitlines() if "dropped a lane" in ln]
+    assert closed and "an unproven connection sent" in closed[0] and "; closed" in closed[0], err[-3000:]
+    assert len(closed) <= 12, f"{len(closed)} lines about closed lanes for 205 connections (rate-limited: 5 s)"
 
 
 @root_only

@@ -122,7 +122,8 @@ def test_ctrl_c_while_a_worker_waits_to_write_leaves_every_message_whole(tmp_pat
     KeyboardInterrupt is raised; the stream stays in step for the next message."""
     server = lanes.LaneServer(str(tmp_path / "lanes"))
     client = lanes.LaneClient(server.path)
-    big = [b"first", os.urandom(4 << 20)]  # (far more than a socket holds: the send waits for the reader)
+    # (far more than a socket holds, so the send waits for the reader; less than an unproven lane may claim)
+    big = [b"first", os.urandom(768 << 10)]
     raised = []
     landed = threading.Event()
 

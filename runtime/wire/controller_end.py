@@ -148,7 +148,9 @@ class ControllerTransport:
         """Notified when a worker's `Goodbye` arrives (`await_goodbyes`)."""
         self.log = RateLimitedLog("monarch")
         self.closed = False
-        self.lanes = LaneServer(f"{directory}/lanes") if settings.transport == "ipc" and settings.lanes else None
+        self.lanes = (
+            LaneServer(f"{directory}/lanes", self.log) if settings.transport == "ipc" and settings.lanes else None
+        )
         """Local workers' connections (`wire/lanes.py`); its epoll also watches the reply socket."""
         if self.lanes is not None:
             self.lanes.watch(cast(int, self.reply.getsockopt(zmq.FD)))
@@ -458,11 +460,16 @@ class ControllerTransport:
             env.message = protocol.unpack(env.message)
             return self._deliverable(env, mesh, lane)
         except codec.UnknownSender as e:
-            self.log("a message", str(e))
+            why = str(e)
         except (codec.BadSignature, ValueError) as e:
-            self.log("a message", f"it failed its checks: {e}")
+            why = f"it failed its checks: {e}"
         except Exception as e:  # a header that is not ours (it was signed, so this is a bug)
-            self.log("a message", f"its header could not be read: {type(e).__name__}: {e}")
+            why = f"its header could not be read: {type(e).__name__}: {e}"
+        if lane is not None and lane.owner is None:  # (not a worker of ours: nothing more is read from it)
+            if not lane.closed and self.lanes is not None:
+                self.lanes.misbehaved(lane, f"a message that is not a worker's ({why})")
+        else:
+            self.log("a message", why)
         return DROPPED
 
     def _deliverable(self, env: codec.Envelope, mesh: _Mesh, lane: Lane | None) -> Any:
@@ -518,6 +525,7 @@ class ControllerTransport:
             lane.shut()
             return False
         lane.owner = (env.mesh_id, env.rank)
+        lane.reader.prove()
         mesh.lanes[env.rank] = lane
         lane.take = self._take_for(lane, env.mesh_id, mesh, env.rank)
         return True

@@ -43,6 +43,9 @@ MAX_FRAMES = 4096
 """More frames than this in one message is a corrupt stream (ours have a handful)."""
 MAX_BYTES = 1 << 40
 """A message longer than this (1 TiB) is a corrupt stream, not a buffer to allocate."""
+UNPROVEN_BYTES = 1 << 20
+"""The most a message may claim on a connection that has not yet sent a signed message (a worker's first
+messages are a few hundred bytes): any process of ours may connect, and a header costs it 12 bytes."""
 CHUNK = 64 * 1024
 """Bytes a reader asks for at a time, at least (a no-op call's message is under 200 bytes, a batch of 256 tensor
 commands about 20 KiB; a larger message is read whole into a buffer of its size). Each lane has one such
@@ -75,9 +78,16 @@ class CorruptLane(Exception):
 
 
 class Reader:
-    """Whole messages out of a stream: `fill` reads, `next` cuts a message off (its frames as bytes)."""
+    """Whole messages out of a stream: `fill` reads, `next` cuts a message off (its frames as bytes).
 
-    def __init__(self) -> None:
+    A reader starts trusting its stream (`limit` MAX_BYTES, a message's buffer made at once from its header)
+    or not (`limit` UNPROVEN_BYTES, the buffer grown as bytes come, at most doubling a read): `prove` once the
+    peer has signed a message."""
+
+    def __init__(self, trusted: bool = True) -> None:
+        self.limit = MAX_BYTES if trusted else UNPROVEN_BYTES
+        """A message claiming more than this is a corrupt stream."""
+        self.trusted = trusted
         self.buf = bytearray(CHUNK)
         self.view = memoryview(self.buf)
         """Of `buf`, kept (not made again for each read and each message); released whenever `buf` changes
@@ -93,6 +103,8 @@ class Reader:
             n = self.end = sock.recv_into(self.view, 0, flags)
             return n
         room = max(CHUNK, self.want - (self.end - self.start))
+        if not self.trusted:  # (a claim costs the peer nothing: the bytes it sends do)
+            room = min(room, max(CHUNK, len(self.buf)))
         if len(self.buf) - self.end < room:
             self._make_room(room)
         n = sock.recv_into(self.view[self.end :], 0, flags)
@@ -109,6 +121,10 @@ class Reader:
             self.buf.extend(bytes(room - (len(self.buf) - self.end)))
             self.view = memoryview(self.buf)
 
+    def prove(self) -> None:
+        """The peer signed a message: its messages may be as large as any (`MAX_BYTES`)."""
+        self.limit, self.trusted = MAX_BYTES, True
+
     def next(self) -> list[bytes] | None:
         """The next whole message's frames, or None until more is read."""
         avail = self.end - self.start
@@ -124,8 +140,8 @@ class Reader:
             return None
         lens = _ONE.unpack_from(buf, s)[1:] if k == 1 else struct.unpack_from(f"<{k}Q", buf, s + 4)
         total = head + sum(lens)
-        if total > MAX_BYTES:
-            raise CorruptLane(f"a message of {total} bytes")
+        if total > self.limit:
+            raise CorruptLane(f"a message of {total} bytes (at most {self.limit} here)")
         if avail < total:
             self.want = total
             return None
@@ -292,7 +308,8 @@ class Lane:
         self.sock = sock
         self.fd = sock.fileno()
         self.server = server
-        self.reader = Reader()
+        self.reader = Reader(trusted=False)
+        """Trusted once the lane's first message proved whose lane it is (`Reader.prove`)."""
         self.owner: tuple[int, int] | None = None
         """(mesh id, rank) of the worker, from its first message."""
         self.out: collections.deque[list[Any]] = collections.deque()
@@ -382,8 +399,11 @@ class LaneServer:
     other descriptor the receiver watches, `watch`). Reading, accepting and closing happen on the one thread
     that receives; senders write to lanes from any thread."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, log: Callable[[str, str], None] | None = None) -> None:
         self.path = path
+        self.log = log
+        """Says why a lane was closed (rate-limited by its owner: a process that reconnects in a loop must not
+        flood the terminal)."""
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(path)
         os.chmod(path, 0o600)
@@ -456,6 +476,9 @@ class LaneServer:
             n = reader.fill(lane.sock)
         except BlockingIOError:
             return
+        except MemoryError:  # (a signed peer's message larger than this machine's memory)
+            self.misbehaved(lane, f"a message of {reader.want} bytes does not fit in memory")
+            return
         except OSError:
             n = 0
         take = lane.take
@@ -482,10 +505,19 @@ class LaneServer:
                 if frames is None:
                     break
                 self.messages.append((lane, frames))
-        except CorruptLane:
-            n = 0
+        except CorruptLane as e:
+            self.misbehaved(lane, str(e))
+            return
         if not n or lane.closed:
             self.drop(lane)
+
+    def misbehaved(self, lane: Lane, why: str) -> None:
+        """Close a lane whose bytes are not a worker's messages, saying why (the receiving thread). The other
+        lanes go on; a worker whose lane this was exits, and its mesh reports it."""
+        if self.log is not None:
+            owner = "an unproven connection" if lane.owner is None else f"rank {lane.owner[1]} of mesh {lane.owner[0]}"
+            self.log("a lane", f"{owner} sent {why}; closed")
+        self.drop(lane)
 
     def drop(self, lane: Lane) -> None:
         """Close a lane (the receiving thread)."""
