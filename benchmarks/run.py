@@ -18,6 +18,7 @@ and each headline figure is followed by its ratio to its floor ("÷ floor") and 
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -295,10 +296,36 @@ def header() -> None:
     print(f"machine: {machine()}")
 
 
+def options(argv: list[str]) -> argparse.Namespace:
+    """The command line of `./run bench`, declared once (`--help` is made from it)."""
+    parser = argparse.ArgumentParser(
+        prog="./run bench",
+        description="Side-by-side runtime benchmarks: monarch against its peers, measured in the same run; "
+        "results go in benchmarks/RESULTS.md. TORCHMONARCH_PYTHON=/path/to/venv/bin/python adds Meta's Monarch.",
+    )
+    parser.add_argument("--before", metavar="REV", help="also measure this project at git revision REV, side by side")
+    parser.add_argument(
+        "--workloads", action="store_true", help="add nanoGPT and the Llama FSDP step vs torchrun (minutes)"
+    )
+    parser.add_argument(
+        "--actors", action="store_true", help="add actors, ports, the RL loop, SPMDActor and RDMA (vs torchmonarch)"
+    )
+    for part, what in (
+        ("kernel", "the first cell and cells through a real kernel"),
+        ("tensors", "the tensor engine (activate, inspect)"),
+        ("faults", "failure paths (a rank raising, Ctrl-C, a killed worker)"),
+        ("profiling", "the profiler's overhead"),
+        ("simulator", "the simulator against measured steps"),
+    ):
+        parser.add_argument(f"--no-{part}", action="store_true", help=f"skip {what}")
+    return parser.parse_args(argv)
+
+
 def main() -> None:
+    args = options(sys.argv[1:])
     ensure_ipyparallel()
     print(f"machine: {machine()}")
-    before = install_before(sys.argv[sys.argv.index("--before") + 1]) if "--before" in sys.argv else None
+    before = install_before(args.before) if args.before else None
     if before:
         install_now()
     import floor  # benchmarks/floor.py (it imports this module: imported here, not at the top)
@@ -321,11 +348,11 @@ def main() -> None:
     ours = results["monarch"]
     assert ours is not None, "monarch benchmark failed"
     print_headline(results, floors)
-    if "--no-kernel" not in sys.argv:
+    if not args.no_kernel:
         import kernel_cell
 
         kernel_cell.report(kernel_cell.measure(kernel_cell.N_CELLS, before), kernel_cell.N_CELLS)
-    if "--no-tensors" not in sys.argv:
+    if not args.no_tensors:
         import tensor_engine
 
         engine = tensor_engine.measure(before=before)
@@ -336,19 +363,19 @@ def main() -> None:
         print_floor_ratio(
             engine, "inspect", floors.get("rtt_unix_one"), "raw Unix stream socket, as our lanes", label="inspect "
         )
-    if "--no-faults" not in sys.argv:
+    if not args.no_faults:
         import faults
 
         faults.report(faults.measure(before))
     here = os.path.dirname(os.path.abspath(__file__))
-    for flag, script in (("--no-profiling", "profiling.py"), ("--no-simulator", "simulator.py")):
-        if flag not in sys.argv:  # (each in its own process: they start meshes and a controller of their own)
+    for skip, script in ((args.no_profiling, "profiling.py"), (args.no_simulator, "simulator.py")):
+        if not skip:  # (each in its own process: they start meshes and a controller of their own)
             print(flush=True)
             subprocess.run([sys.executable, os.path.join(here, script)], check=False)
-    if "--workloads" in sys.argv:  # (minutes: real training side by side with torchrun; Slurm's part needs root)
+    if args.workloads:  # (minutes: real training side by side with torchrun; Slurm's part needs root)
         print(flush=True)
         subprocess.run([sys.executable, os.path.join(here, "workloads.py")], check=False)
-    if "--actors" in sys.argv:  # (minutes: the same actor programs on monarch and torchmonarch, and their floors)
+    if args.actors:  # (minutes: the same actor programs on monarch and torchmonarch, and their floors)
         for script in ("actors.py", "spmd.py", "rdma.py"):
             print(flush=True)
             subprocess.run([sys.executable, os.path.join(here, script)], check=False)

@@ -1,6 +1,6 @@
-"""`%%mesh` (run a cell on every worker of a mesh) and `%mesh` (status, stacks, shutdown, restart, pull, push).
+"""`%%mesh` (run a cell on every worker of a mesh) and `%mesh` (its commands: `LINE_COMMANDS`).
 
-What each takes is in `MeshMagics.mesh` and `MeshMagics.mesh_line`, whose docstrings `%%mesh?`, `%mesh?` and
+What each takes is in `MeshMagics.mesh`'s docstring and `LINE_COMMANDS`, which `%%mesh?`, `%mesh?` and
 `%mesh help` show.
 
 A shape different from the running implicit mesh's is refused, naming the running shape (its workers
@@ -16,6 +16,7 @@ import inspect
 import math
 import re
 import shlex
+from dataclasses import dataclass
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -27,10 +28,43 @@ from monarch.extension.frontend import NotebookProgress, NotebookStdin, in_kerne
 _DIM = re.compile(r"^([A-Za-z_]\w*)=(.+)$")
 _NAME = re.compile(r"^[A-Za-z_][\w.]*$")
 _USAGE = "usage: %%mesh [DIM=SIZE ... | MESH_VARIABLE] [--on DIM=INDEX|START:STOP ...] [--noblock] [--group rank|arrival] [--save NAME] [--replace] [--profile DIR]"
-_LINE_USAGE = (
-    "usage: %mesh [status | stacks | shutdown [--all] | restart | pull NAME ... | push NAME ... | help] "
-    "[--mesh MESH_VARIABLE]"
+
+
+@dataclass(frozen=True)
+class LineCommand:
+    """One ``%mesh`` command. The table below is the only list of them: the usage line, ``%mesh?`` and
+    ``%mesh help``, the check of what was typed and the dispatch are made from it (the docs' table is checked
+    against it by tests/test_help.py)."""
+
+    name: str
+    args: str
+    """What follows the name, as the usage line shows it ("" for nothing)."""
+    does: str
+    """One line of help."""
+
+
+LINE_COMMANDS = (
+    LineCommand("status", "", "a table of the workers: where each is, what it runs, its memory"),
+    LineCommand("stacks", "", "every thread's Python stack on the controller and each worker"),
+    LineCommand("shutdown", "[--all]", "stop the mesh (--all: every mesh of this kernel)"),
+    LineCommand("restart", "", "stop it and start the same shape again (its namespaces are lost)"),
+    LineCommand("pull", "NAME ...", "bring NAME from every worker here, as a ValueMesh (one value per rank)"),
+    LineCommand("push", "NAME ...", "send NAME from here to every worker's namespace"),
+    LineCommand("help", "", "this text and %%mesh's"),
 )
+_COMMANDS = {c.name: c for c in LINE_COMMANDS}
+_LINE_USAGE = f"usage: %mesh [{' | '.join(f'{c.name} {c.args}'.strip() for c in LINE_COMMANDS)}] [--mesh MESH_VARIABLE]"
+
+
+def _line_doc() -> str:
+    rows = [("%mesh", "the same as %mesh status")]
+    rows += [(f"%mesh {c.name} {c.args}".strip(), c.does) for c in LINE_COMMANDS]
+    rows.append(("--mesh MESH_VARIABLE", "act on that mesh instead"))
+    table = "\n".join(f"    {usage:<28} {does}" for usage, does in rows)
+    return (
+        "Look at and steer the mesh the last ``%%mesh`` cell ran on.\n\n"
+        f"{table}\n\n    ``%%mesh?`` shows how to run a cell on a mesh.\n"
+    )
 
 
 def _help() -> str:
@@ -67,7 +101,7 @@ class MeshMagics(Magics):
         On each worker the cell runs in that worker's own namespace, kept between cells, with `rank`,
         `coords`, `device` and `mesh_size` set; the workers already form a torch.distributed group. Output
         appears live, one area per rank; the last expression comes back as a ValueMesh (one value per rank).
-        ``%mesh help`` lists the line commands (status, stacks, shutdown, restart, pull, push).
+        ``%mesh help`` lists the line commands.
         """
         if cell is None:
             return self._line(line)
@@ -193,21 +227,9 @@ class MeshMagics(Magics):
     # -- %mesh -------------------------------------------------------------------------------------
     @line_magic("mesh")
     def mesh_line(self, line: str) -> Any:
-        """Look at and steer the mesh the last ``%%mesh`` cell ran on.
-
-        %mesh                        the same as %mesh status
-        %mesh status                 a table of the workers: where each is, what it runs, its memory
-        %mesh stacks                 every thread's Python stack on the controller and each worker
-        %mesh shutdown [--all]       stop the mesh (--all: every mesh of this kernel)
-        %mesh restart                stop it and start the same shape again (its namespaces are lost)
-        %mesh pull NAME ...          bring NAME from every worker here, as a ValueMesh (one value per rank)
-        %mesh push NAME ...          send NAME from here to every worker's namespace
-        %mesh help                   this text and %%mesh's
-        --mesh MESH_VARIABLE         act on that mesh instead
-
-        ``%%mesh?`` shows how to run a cell on a mesh.
-        """
         return self._line(line)
+
+    mesh_line.__doc__ = _line_doc()
 
     def _line(self, line: str) -> Any:
         try:
@@ -221,63 +243,79 @@ class MeshMagics(Magics):
                 raise UsageError("%mesh --mesh needs a mesh variable\n" + _LINE_USAGE)
             target = self._target({"name": args[i + 1], "sizes": None, "on": None})
             del args[i : i + 2]
-        cmd, rest = (args[0], args[1:]) if args else ("status", [])
-        if cmd in ("help", "-h", "--help"):
+        name, rest = (args[0], args[1:]) if args else ("status", [])
+        if name in ("-h", "--help"):
+            name = "help"
+        if name not in _COMMANDS:
+            raise UsageError(f"%mesh: unknown command {name!r}\n" + _LINE_USAGE)
+        if name == "help":
             print(_help())
             return None
         view = target or self.current or self.implicit
-        if cmd == "shutdown" and rest == ["--all"]:
-            from monarch.runtime.controller import current
-
-            controller = current()
-            stopped = controller.stop_all() if controller is not None else []
-            self.implicit = self.current = None
-            if not stopped:
-                print("monarch: no mesh was running")
-            else:
-                what = ", ".join(f"{m.shape.describe()} ({_workers(m.size)})" for m in stopped)
-                print(f"monarch: stopped {len(stopped)} mesh{'es' if len(stopped) > 1 else ''}: {what}")
-            return None
-        if cmd not in ("status", "stacks", "shutdown", "restart", "pull", "push"):
-            raise UsageError(f"%mesh: unknown command {cmd!r}\n" + _LINE_USAGE)
+        if name == "shutdown" and rest == ["--all"]:
+            return self._shutdown_all()
+        wants_names = _COMMANDS[name].args == "NAME ..."
+        if wants_names and not rest:
+            raise UsageError(f"%mesh {name} needs at least one variable name\n" + _LINE_USAGE)
+        if rest and not wants_names:
+            raise UsageError(
+                f"%mesh {name} takes {_COMMANDS[name].args or 'nothing'}, not {' '.join(rest)!r}\n" + _LINE_USAGE
+            )
         if view is None:
-            raise UsageError(f"%mesh {cmd}: no mesh yet; run a %%mesh cell first (e.g. %%mesh gpu=4)")
-        if cmd == "status":
-            return view.to_table(ask=0.3)  # busy ranks say where they are
-        if cmd == "stacks":
-            print(view.stacks())
-            return None
-        if cmd == "shutdown":
-            if view.state in ("stopped", "failed"):
-                print(f"monarch: mesh {_stopped(view)} was already {view.state}; nothing to stop")
-            else:
-                view.exit()
-                print(f"monarch: stopped mesh {_stopped(view)}; its namespaces are gone")
-            if self.implicit is not None and self.implicit.shares_workers_with(view):
-                self.implicit = None
-            self.current = None
-            return None
-        if cmd == "restart":
-            fresh = view.respawn()
-            if self.implicit is not None and self.implicit.shares_workers_with(view):
-                self.implicit = fresh
-            self.current = fresh
-            return fresh.to_table()
-        if not rest:
-            raise UsageError(f"%mesh {cmd} needs at least one variable name\n" + _LINE_USAGE)
+            raise UsageError(f"%mesh {name}: no mesh yet; run a %%mesh cell first (e.g. %%mesh gpu=4)")
+        return getattr(self, f"_{name}")(view, rest)
+
+    def _status(self, view: Any, rest: list[str]) -> Any:
+        return view.to_table(ask=0.3)  # busy ranks say where they are
+
+    def _stacks(self, view: Any, rest: list[str]) -> None:
+        print(view.stacks())
+
+    def _shutdown_all(self) -> None:
+        from monarch.runtime.controller import current
+
+        controller = current()
+        stopped = controller.stop_all() if controller is not None else []
+        self.implicit = self.current = None
+        if not stopped:
+            print("monarch: no mesh was running")
+        else:
+            what = ", ".join(f"{m.shape.describe()} ({_workers(m.size)})" for m in stopped)
+            print(f"monarch: stopped {len(stopped)} mesh{'es' if len(stopped) > 1 else ''}: {what}")
+
+    def _shutdown(self, view: Any, rest: list[str]) -> None:
+        if view.state in ("stopped", "failed"):
+            print(f"monarch: mesh {_stopped(view)} was already {view.state}; nothing to stop")
+        else:
+            view.exit()
+            print(f"monarch: stopped mesh {_stopped(view)}; its namespaces are gone")
+        if self.implicit is not None and self.implicit.shares_workers_with(view):
+            self.implicit = None
+        self.current = None
+
+    def _restart(self, view: Any, rest: list[str]) -> Any:
+        fresh = view.respawn()
+        if self.implicit is not None and self.implicit.shares_workers_with(view):
+            self.implicit = fresh
+        self.current = fresh
+        return fresh.to_table()
+
+    def _pull(self, view: Any, rest: list[str]) -> Any:
         from monarch.runtime import cells
 
-        if cmd == "pull":
-            out = None
-            for name in rest:
-                out = cells.pull(view, name)
-                self.shell.user_ns[name] = out
-            return out if len(rest) == 1 else None
+        out = None
+        for name in rest:
+            out = cells.pull(view, name)
+            self.shell.user_ns[name] = out
+        return out if len(rest) == 1 else None
+
+    def _push(self, view: Any, rest: list[str]) -> None:
+        from monarch.runtime import cells
+
         missing = [n for n in rest if n not in self.shell.user_ns]
         if missing:
             raise UsageError(f"%mesh push: {', '.join(missing)} not defined in this notebook")
         cells.push(view, {n: self.shell.user_ns[n] for n in rest})
-        return None
 
 
 def _cell_number(shell: Any) -> int:
