@@ -6,8 +6,12 @@ produce an error, and no process the kernel started (fork server, workers) may o
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,14 +96,91 @@ def test_notebooks_exist():
     assert Path(REPO, "notebooks", "getting_started.ipynb") in NOTEBOOKS
 
 
+def _git(*args: str, cwd: str = REPO, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=check, timeout=60)
+
+
+IN_GIT = os.path.isdir(os.path.join(REPO, ".git")) and shutil.which("git") is not None
+
+
+def _committed(path: Path):
+    """The notebook as git holds it (its index entry: what the next commit takes), else the file."""
+    if not IN_GIT:
+        return _read(path)
+    return nbformat.reads(_git("show", f":{path.relative_to(REPO)}").stdout, as_version=4)
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_committed_without_outputs(path):
-    nb = _read(path)
+    """What git holds: a notebook run and saved in JupyterLab keeps its outputs on disk (the next test)."""
+    nb = _committed(path)
     nbformat.validate(nb)
     assert nb.metadata.kernelspec["name"] == "monarch"
     for i, cell in enumerate(_code_cells(nb)):
         assert cell.outputs == [], f"{path.name}: code cell {i} has outputs; strip them before committing"
         assert cell.execution_count is None, f"{path.name}: code cell {i} has an execution count"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_the_filter_stores_each_committed_notebook_as_it_is(path):
+    """Git's clean filter (tools/strip_outputs.py) changes no committed notebook by a byte: otherwise each would
+    show as changed in a fresh clone."""
+    data = path.read_bytes()
+    filtered = subprocess.run(
+        [sys.executable, str(Path(REPO, "tools", "strip_outputs.py"))],
+        input=data,
+        capture_output=True,
+        check=True,
+        timeout=60,
+    )
+    assert filtered.stdout == data
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not IN_GIT, reason="needs a git checkout (./run setup configures git's filter there)")
+def test_a_notebook_run_and_saved_as_jupyterlab_does_keeps_its_outputs_and_the_tree_clean(tmp_path):
+    """JupyterLab saves a notebook through the server's contents manager (PUT /api/contents, then a checkpoint);
+    its autosave does the same. Run on the real kernel and saved so in a repository set up as ./run setup sets
+    up this one: the file keeps its outputs, git holds none (nothing to commit, the checkpoint ignored), and
+    what JupyterLab and the notebooks write beside them is ignored here."""
+    from jupyter_server.services.contents.filemanager import FileContentsManager
+
+    clean = _git("config", "filter.notebook-outputs.clean", check=False).stdout.strip()
+    assert clean, "git's notebook filter is not configured: ./run setup configures it"
+    for ignored in ("notebooks/.ipynb_checkpoints/actors-checkpoint.ipynb", "notebooks/llama-run/ckpt/step-5"):
+        assert _git("check-ignore", "-q", ignored, check=False).returncode == 0, f"{ignored} is not ignored"
+    repo = tmp_path / "repo"
+    (repo / "notebooks").mkdir(parents=True)
+    shutil.copytree(Path(REPO, "tools"), repo / "tools", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in (".gitattributes", ".gitignore"):
+        shutil.copy(Path(REPO, name), repo / name)
+    nb = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell("%%mesh gpu=2\nprint('rank', rank)"), nbformat.v4.new_code_cell("%mesh status")],
+        metadata={"kernelspec": {"name": "monarch", "display_name": "Monarch (PyTorch mesh)", "language": "python"},
+                  "language_info": {"name": "python"}},
+    )  # fmt: skip
+    path = repo / "notebooks" / "tour.ipynb"
+    nbformat.write(nb, str(path))
+    git = ("-c", "user.name=t", "-c", "user.email=t@t")
+    _git("init", "-q", cwd=str(repo))
+    _git("config", "filter.notebook-outputs.clean", clean, cwd=str(repo))
+    _git("add", "-A", cwd=str(repo))
+    _git(*git, "commit", "-q", "-m", "a notebook", cwd=str(repo))
+
+    (tmp_path / "run").mkdir()
+    ran = run_notebook(path, tmp_path / "run")
+    manager = FileContentsManager(root_dir=str(repo / "notebooks"))
+    manager.save({"type": "notebook", "format": "json", "content": json.loads(nbformat.writes(ran))}, "tour.ipynb")
+    manager.create_checkpoint("tour.ipynb")
+    on_disk = _read(path)
+    assert all(c.outputs for c in _code_cells(on_disk)), "the saved notebook lost its outputs"
+    assert on_disk.metadata.language_info.get("version"), "(the kernel's language_info is saved, as JupyterLab does)"
+    assert (repo / "notebooks" / ".ipynb_checkpoints" / "tour-checkpoint.ipynb").exists()
+    assert _git("diff", "--exit-code", cwd=str(repo), check=False).returncode == 0, "git sees the outputs as a change"
+    _git("add", "-A", cwd=str(repo))  # (git status lists a file whose size changed until it is added)
+    assert _git("status", "--porcelain", cwd=str(repo)).stdout == ""
+    held = nbformat.reads(_git("show", ":notebooks/tour.ipynb", cwd=str(repo)).stdout, as_version=4)
+    assert held == nb
 
 
 def run_notebook(path: Path, tmp_path: Path, local_workers: bool = True, timeout: int = 120):
