@@ -260,7 +260,10 @@ def test_a_process_that_dies_under_an_actor_mesh_fails_its_calls_naming_the_rank
     assert wait_gone(pids) == []
 
 
-def test_in_the_notebook_an_actors_prints_land_in_its_ranks_area_and_errors_are_grouped():
+def test_in_the_notebook_an_actors_prints_arrive_labelled_and_errors_show_once_even_nested():
+    """Prints arrive as lines labelled with their process (docs/features/actors.md says so). An endpoint that
+    calls another actor's failing endpoint fails in turn: the inner error is shown once, under the name users
+    import (`monarch.RemoteError`), never the internal module path."""
     from helpers.kernel_client import monarch_kernel
 
     define = (
@@ -274,8 +277,15 @@ def test_in_the_notebook_an_actors_prints_land_in_its_ranks_area_and_errors_are_
         "    @endpoint\n"
         "    def boom(self):\n"
         "        raise KeyError('nothing here')\n"
+        "class Outer(Actor):\n"
+        "    def __init__(self, inner):\n"
+        "        self.inner = inner\n"
+        "    @endpoint\n"
+        "    def go(self):\n"
+        "        return self.inner.boom.call().get()\n"
         "procs = this_host().spawn_procs({'gpu': 2})\n"
-        "greeters = procs.spawn('greeters', Greeter)"
+        "greeters = procs.spawn('greeters', Greeter)\n"
+        "outer = procs.spawn('outer', Outer, greeters)"
     )
     with monarch_kernel() as k:
         assert k.run(define).status == "ok"
@@ -289,6 +299,14 @@ def test_in_the_notebook_an_actors_prints_land_in_its_ranks_area_and_errors_are_
         error = "\n".join(r.reply["traceback"])
         assert "greeters.boom failed on 2 of 2 ranks" in error and "ranks 0-1: KeyError: 'nothing here'" in error
         assert "Cell In[" in error and "in boom" in error, error
+        r = k.run("outer.go.call().get()")
+        assert r.status == "error"
+        error = "\n".join(r.reply["traceback"])
+        assert "outer.go failed on 2 of 2 ranks" in error, error
+        assert "-- ranks 0-1: RemoteError: greeters.boom failed on 2 of 2 ranks\n" in error, error
+        assert "monarch.RemoteError: greeters.boom failed on 2 of 2 ranks" in error, error
+        assert error.count("KeyError: 'nothing here'") == 2, error  # (its header line and its traceback's last)
+        assert error.count("greeters.boom failed") == 2 and "runtime.common.errors" not in error, error
         assert k.run("procs.exit()").status == "ok"
 
 

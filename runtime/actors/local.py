@@ -283,7 +283,8 @@ def remote_error(what: str, e: BaseException) -> RemoteError:
     te = traceback.TracebackException.from_exception(e)
     for t in _chain(te):
         t.stack = traceback.StackSummary.from_list([f for f in t.stack if not f.filename.startswith(_PLUMBING)])
-    info = ErrorInfo(type(e).__qualname__, str(e), "".join(te.format()))
+    message = e.headline() if isinstance(e, RemoteError) else str(e)  # (as `worker/describe.py` says it)
+    info = ErrorInfo(type(e).__qualname__, message, "".join(te.format()))
     return RemoteError(what, group_failures([(0, LABEL, info)]), 1)
 
 

@@ -121,6 +121,14 @@ class RemoteError(Exception):
     def __reduce__(self):
         return type(self), (self.what, self.failures, self.total, self.released)
 
+    def headline(self) -> str:
+        """The first line (``inner.boom failed on 2 of 2 ranks``): what an actor's call that failed inside an
+        endpoint says of it before its traceback, whose last line holds the rest once."""
+        return str(self).partition("\n")[0]
+
+
+RemoteError.__module__ = "monarch"  # (tracebacks name it as users import it: monarch.RemoteError)
+
 
 class RemoteInterrupt(KeyboardInterrupt):
     """The user interrupted a call (Ctrl-C, the kernel's Interrupt); says where each rank was.

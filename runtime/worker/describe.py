@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import traceback
 
+from monarch.runtime.common.errors import RemoteError
 from monarch.runtime.wire import protocol
 
 _HERE = os.path.dirname(__file__)
@@ -21,7 +22,13 @@ def describe(e: BaseException, prefix: str = "") -> protocol.ErrorInfo:
     te = traceback.TracebackException.from_exception(e)
     for t in (te, *_chained(te)):
         t.stack = traceback.StackSummary.from_list([f for f in t.stack if f.filename not in _PLUMBING])
-    return protocol.ErrorInfo(type(e).__qualname__, prefix + str(e), "".join(te.format()))
+    return protocol.ErrorInfo(type(e).__qualname__, prefix + message(e), "".join(te.format()))
+
+
+def message(e: BaseException) -> str:
+    """What a failure's header line says of `e`: for a failed call to other actors only its first line (the
+    traceback's last line holds their ranks' errors, shown once)."""
+    return e.headline() if isinstance(e, RemoteError) else str(e)
 
 
 def _chained(te: traceback.TracebackException) -> list[traceback.TracebackException]:
