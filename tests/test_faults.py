@@ -426,7 +426,9 @@ def test_ctrl_c_while_a_call_starts_interrupts_it_on_the_workers(tmp_path):
             except KeyboardInterrupt as e:  # (caught whole: a bare one reaching pytest would end the session)
                 got = e
             assert isinstance(got, RemoteInterrupt), repr(got)
-            assert got.busy == [] and "ranks 0-1" in str(got), str(got)  # each worker said where it was
+            # Each worker said where it was: in the sleep, or (still on its way to it on a loaded machine) before
+            # it started; either is right, and neither is left busy.
+            assert got.busy == [] and sorted(r for f in got.failures for r in f.ranks) == [0, 1], str(got)
             assert rank.on(mesh)().values() == [0, 1]  # the workers are not left sleeping (not "mesh busy")
         assert len(presses) == 2
     finally:

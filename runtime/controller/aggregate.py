@@ -238,8 +238,9 @@ class MeshLogs:
         """Give `ev` to `sink`, or hold it (a line to collapse), or write it to the file. `as_is`: a line of the
         runtime's (a notice, an echoed prompt), never collapsed."""
         with self._lock:
-            if not self.stream_to_client and self._to_file is not None:
-                self._to_file(ev)
+            if not self.stream_to_client:
+                if self._to_file is not None:  # (None: closed, the mesh stopped)
+                    self._to_file(ev)
                 return
             held = self._held.get(id(sink))
             if self.window is None or as_is or ev.stream not in ("stdout", "stderr"):
@@ -287,6 +288,18 @@ class MeshLogs:
         with self._lock:
             self._timer = None
             self._let_go_locked(None)
+
+    def close(self) -> None:
+        """The mesh stopped: what is held goes out, the output file is closed (a line that still comes for it
+        is dropped: its file says all the mesh wrote)."""
+        with self._lock:
+            self._let_go_locked(None, ended=True)
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self._file is not None:
+                self._file.close()
+                self._file = self._to_file = None
 
 
 def configure(

@@ -498,6 +498,8 @@ class Controller:
             self.casts.drop(mesh.mesh_id)
         mesh.exit_codes = mesh.backend.stop(mesh.mesh_id, graceful=was_running)
         mesh.state = "stopped"
+        if mesh.logs is not None:
+            mesh.logs.close()
         self._mark_gone(mesh)
         self.meshes.pop(mesh.mesh_id, None)
         _log.info("mesh %d stopped (exit codes by rank: %s)", mesh.mesh_id, mesh.exit_codes)
