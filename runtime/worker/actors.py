@@ -558,8 +558,11 @@ class Mailbox:
         return cmd is not None and cmd in events
 
     def _run_posted(self) -> None:
-        while self.posted:
-            self.posted.popleft()()
+        # Only what was there on entry: a task posting sends as fast as this thread runs them would otherwise
+        # keep it here for ever, and the controller's commands and the inbox would never get their turn.
+        posted = self.posted
+        for _ in range(len(posted)):
+            posted.popleft()()
 
     def _take_answers(self, box: Outbox) -> None:
         while box.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
