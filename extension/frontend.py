@@ -14,25 +14,34 @@ def in_kernel(ip: Any) -> bool:
 
 
 def register_formatters(ip: Any) -> None:
-    """ValueMesh, MeshTable and ProcMesh display as widgets (with static HTML inside)."""
+    """ValueMesh, MeshTable and ProcMesh display as widgets (with static HTML inside). A mesh table is live
+    while its cell runs and frozen when the cell ends: an output shows what was true when its cell ran."""
+    live: list[Any] = []
+
+    def mesh_table_bundle(table) -> dict | None:
+        from monarch.widgets.mesh_table import MeshTableWidget
+
+        mesh = getattr(table, "mesh", None)
+        if mesh is None:
+            return None
+        widget = MeshTableWidget(mesh)
+        live.append(widget)
+        return widget._repr_mimebundle_()
+
+    def cell_ended(result: Any = None) -> None:
+        while live:
+            live.pop().freeze()
+
     fmt = ip.display_formatter.mimebundle_formatter
     fmt.for_type_by_name("monarch.runtime.common.valuemesh", "ValueMesh", _value_mesh_bundle)
-    fmt.for_type_by_name("monarch.runtime.mesh", "MeshTable", _mesh_table_bundle)
+    fmt.for_type_by_name("monarch.runtime.mesh", "MeshTable", mesh_table_bundle)
+    ip.events.register("post_run_cell", cell_ended)
 
 
 def _value_mesh_bundle(values) -> dict:
     from monarch.widgets.value_mesh import ValueMeshView
 
     return ValueMeshView(values)._repr_mimebundle_()
-
-
-def _mesh_table_bundle(table) -> dict | None:
-    from monarch.widgets.mesh_table import MeshTableWidget
-
-    mesh = getattr(table, "mesh", None)
-    if mesh is None:
-        return None
-    return MeshTableWidget(mesh)._repr_mimebundle_()
 
 
 class NotebookProgress(SpawnProgress):

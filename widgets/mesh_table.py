@@ -1,4 +1,4 @@
-"""MeshTable: which worker is where, and what it is doing, updated live."""
+"""MeshTable: which worker is where, and what it is doing, updated live while its cell runs."""
 
 from __future__ import annotations
 
@@ -54,7 +54,11 @@ def table_html(title: str, columns: list[str], rows: list[dict]) -> str:
 
 
 class MeshTableWidget(StaticFallbackWidget):
-    """`mesh.to_table()` in a notebook: refreshed when workers become busy, idle or fail.
+    """`mesh.to_table()` in a notebook: refreshed when workers become busy, idle or fail, until `freeze()`.
+
+    In a notebook the table is live only while the cell that showed it runs: when that cell ends, the
+    extension freezes it, and it keeps what was true then (its title says when), as any other output does.
+    A table of a notebook's section 4 must not show section 7's work.
 
     When the mesh is stopped on purpose (`exit()`, `%mesh shutdown`), the table keeps the last state it
     showed and says in its title when the mesh stopped: a notebook run top to bottom that ends by
@@ -70,6 +74,7 @@ class MeshTableWidget(StaticFallbackWidget):
         super().__init__(title=f"ProcMesh {table.title}", columns=table.columns, rows=_plain(table.rows))
         self._mesh = mesh
         self._pending = False
+        self._frozen = False
         self._lock = threading.Lock()
         self._last = _doing(table.rows)
         """What each rank was doing at the last change while the mesh ran (shown once it has stopped)."""
@@ -100,10 +105,26 @@ class MeshTableWidget(StaticFallbackWidget):
                 self._last = _doing(self._mesh.to_table(with_memory=False).rows)
         self.schedule_refresh()
 
+    def freeze(self) -> None:
+        """Stop following the mesh, after one last look: from now on the table shows what was true now."""
+        with self._lock:
+            if self._frozen:
+                return
+            self._frozen = True
+        self._stop_following()
+        if self._said_stopped():
+            return
+        if self._mesh.state in ("stopping", "stopped"):
+            self._show_stopped()
+            return
+        with contextlib.suppress(Exception):
+            self.rows = _plain(self._mesh.to_table().rows)
+        self.title += f" (as of {time.strftime('%H:%M:%S')}, when its cell ended)"
+
     def schedule_refresh(self, delay: float = 0.1) -> None:
         """Coalesce bursts of changes into at most ~10 updates a second."""
         with self._lock:
-            if self._pending:
+            if self._pending or self._frozen:
                 return
             self._pending = True
         timer = threading.Timer(delay, self.refresh)
@@ -113,14 +134,23 @@ class MeshTableWidget(StaticFallbackWidget):
     def refresh(self) -> None:
         with self._lock:
             self._pending = False
+            if self._frozen:
+                return
         if self._mesh.state in ("stopping", "stopped") and any(r["status"] != "stopped" for r in self.rows):
-            self._stop_following()
-            self.rows = [{**r, **self._last.get(r["rank"], {})} for r in self.rows]
-            self.title += f" (stopped at {time.strftime('%H:%M:%S')}; the rows show its last state)"
+            if not self._said_stopped():
+                self._stop_following()
+                self._show_stopped()
             return
         self.rows = _plain(self._mesh.to_table().rows)
         if any(r["status"] == "busy" for r in self.rows):
             self.schedule_refresh(BUSY_TICK)  # the "for" column keeps counting while a rank is busy
+
+    def _show_stopped(self) -> None:
+        self.rows = [{**r, **self._last.get(r["rank"], {})} for r in self.rows]
+        self.title += f" (stopped at {time.strftime('%H:%M:%S')}; the rows show its last state)"
+
+    def _said_stopped(self) -> bool:
+        return "(stopped at " in self.title
 
     def static_html(self) -> str:
         return table_html(self.title, self.columns, self.rows)

@@ -272,7 +272,7 @@ _cast_failures = _CastFailures()
 
 def unhandled_fault_hook(failure: MeshFailure) -> None:
     """What happens to a `MeshFailure` that no owner handled (a process under an actor mesh died, a broadcast's
-    endpoint raised): in a notebook it is shown in the cell that spawned the actor mesh (or the one running),
+    endpoint raised): in a notebook it is shown in the running cell (or, between cells, the next one run),
     else printed on stderr; the process goes on. Replace it on `monarch.actor` to handle them yourself:
     ``monarch.actor.unhandled_fault_hook = my_hook``."""
     supervision.default_hook(failure)

@@ -11,7 +11,7 @@ Each becomes a `MeshFailure` for each actor mesh concerned, delivered to that me
   thread of its own: user code never runs on the controller's monitor or receiving thread.
 
 The default hook prints the failure on stderr; in a notebook (`SHOW`, set by the extension) it is shown in the
-cell that spawned the actor mesh, or in the cell running when it comes.
+cell running when it comes, or, when none runs, at the start of the next cell run.
 """
 
 from __future__ import annotations
@@ -60,8 +60,6 @@ class MeshFailure(Exception):
         """The proc mesh's shape, e.g. ``{gpu: 4}``."""
         self.error = error
         """The underlying error: a `WorkerDiedError`, or the broadcast's `RemoteError`."""
-        self.origin: Any = None
-        """Where a notebook shows it (the cell that spawned the actor mesh); None in a script."""
         super().__init__(self.report())
 
     def report(self) -> str:
@@ -84,15 +82,10 @@ class Owner:
 
     actor: Mailbox | None
     """The `this_proc()` actor whose endpoint (or constructor) spawned the actor mesh, if one did."""
-    origin: Any = None
-    """Where a notebook shows its failures (`CELL_ORIGIN()` at spawn)."""
 
 
-CELL_ORIGIN: Callable[[], Any] | None = None
-"""Set by the notebook extension: a token for the cell running now (None when none runs)."""
 SHOW: Callable[[MeshFailure], bool] | None = None
-"""Set by the notebook extension: show a failure in its cell (`failure.origin`) or the running one; whether
-it did."""
+"""Set by the notebook extension: show a failure in the running cell, or the next one; whether it did."""
 
 
 here = threading.local()
@@ -106,7 +99,7 @@ def current_mailbox() -> Mailbox | None:
 
 def owner_here() -> Owner:
     """The owner of an actor mesh spawned now, on this thread."""
-    return Owner(current_mailbox(), CELL_ORIGIN() if CELL_ORIGIN is not None else None)
+    return Owner(current_mailbox())
 
 
 def adopt(spawned: SpawnedMesh, name: str, owner: Owner) -> None:
@@ -148,11 +141,9 @@ def endpoint_failed(mesh_name: str, cls_name: str, procs: str, endpoint: str, er
 def deliver(failure: MeshFailure, owner: Owner | None) -> None:
     """Hand `failure` to `owner` without blocking: its actor's `__supervise__` (on the actor's thread), else the
     unhandled-fault hook (on the hook's thread)."""
-    if owner is not None:
-        failure.origin = owner.origin
-        if owner.actor is not None:
-            owner.actor.supervise(failure, unhandled)
-            return
+    if owner is not None and owner.actor is not None:
+        owner.actor.supervise(failure, unhandled)
+        return
     unhandled(failure)
 
 
