@@ -15,6 +15,10 @@ import html
 import sys
 import time
 
+from monarch.runtime.common.figures import figure_html
+
+__all__ = ["TrainingProgress", "figure_html"]  # figure_html: a matplotlib figure drawn in the notebook's theme
+
 
 class TrainingProgress:
     """A bar (steps done of `total`) and the loss per step, drawn as a polyline."""

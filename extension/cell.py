@@ -7,6 +7,8 @@ import time
 import uuid
 from typing import Any
 
+from monarch.runtime.common.errors import MeshStoppedError
+from monarch.runtime.common.figures import MIME as FIGURE
 from monarch.runtime.controller import LineLabeller, OutputEvent
 from monarch.runtime.values import Future, ValueMesh
 
@@ -126,8 +128,9 @@ class ArrivalLines:
         if ev.stream == "display" and ev.data:
             from IPython.display import display
 
-            print(f"[{ev.label}]")
-            display(ev.data, raw=True, metadata=ev.metadata or {})
+            print(f"[{ev.label}]")  # (a figure's themed form is for rank areas: JupyterLab takes its PNG)
+            data = {k: v for k, v in ev.data.items() if k != FIGURE}
+            display(data, raw=True, metadata=ev.metadata or {})
         else:
             self._lines(ev)
 
@@ -156,6 +159,8 @@ class CellRun:
         took = time.monotonic() - self._started
         try:
             self.future.result()
+        except MeshStoppedError:  # (what the user did: its whole story is for result(), if asked)
+            stream, text = "stderr", f"[this run was stopped with its mesh, after {took:.1f} s]\n"
         except BaseException as e:
             first = str(e).split("\n", 1)[0]
             stream, text = "stderr", f"[this run failed after {took:.1f} s: {type(e).__name__}: {first}]\n"

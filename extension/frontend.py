@@ -15,7 +15,7 @@ def in_kernel(ip: Any) -> bool:
 
 def register_formatters(ip: Any) -> None:
     """ValueMesh, MeshTable and ProcMesh display as widgets (with static HTML inside). A mesh table is live
-    while its cell runs and frozen when the cell ends: an output shows what was true when its cell ran."""
+    until the next cell starts, then frozen: an old output shows what was true when its cell ran."""
     live: list[Any] = []
 
     def mesh_table_bundle(table) -> dict | None:
@@ -28,14 +28,14 @@ def register_formatters(ip: Any) -> None:
         live.append(widget)
         return widget._repr_mimebundle_()
 
-    def cell_ended(result: Any = None) -> None:
+    def next_cell(info: Any = None) -> None:
         while live:
             live.pop().freeze()
 
     fmt = ip.display_formatter.mimebundle_formatter
     fmt.for_type_by_name("monarch.runtime.common.valuemesh", "ValueMesh", _value_mesh_bundle)
     fmt.for_type_by_name("monarch.runtime.mesh", "MeshTable", mesh_table_bundle)
-    ip.events.register("post_run_cell", cell_ended)
+    ip.events.register("pre_run_cell", next_cell)
 
 
 def _value_mesh_bundle(values) -> dict:

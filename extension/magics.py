@@ -16,6 +16,7 @@ import inspect
 import math
 import re
 import shlex
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from monarch.extension.cell import ArrivalLines, CellRun, RankAreas
 from monarch.extension.frontend import NotebookProgress, NotebookStdin, in_kernel, register_formatters
+from monarch.runtime.common import prose
 
 _DIM = re.compile(r"^([A-Za-z_]\w*)=(.+)$")
 _NAME = re.compile(r"^[A-Za-z_][\w.]*$")
@@ -57,13 +59,20 @@ _LINE_USAGE = f"usage: %mesh [{' | '.join(f'{c.name} {c.args}'.strip() for c in 
 
 
 def _line_doc() -> str:
+    """The docstring of ``%mesh`` (what ``%mesh?`` shows), lines no longer than an output area holds."""
     rows = [("%mesh", "the same as %mesh status")]
     rows += [(f"%mesh {c.name} {c.args}".strip(), c.does) for c in LINE_COMMANDS]
     rows.append(("--mesh MESH_VARIABLE", "act on that mesh instead"))
-    table = "\n".join(f"    {usage:<28} {does}" for usage, does in rows)
+    col = max(len(usage) for usage, _ in rows) + 2
+    table = []
+    for usage, does in rows:
+        lines = textwrap.wrap(does, prose.WIDTH - col) or [""]
+        table.append(f"    {usage:<{col}}{lines[0]}")
+        table += [f"    {'':<{col}}{more}" for more in lines[1:]]
     return (
         "Look at and steer the mesh the last ``%%mesh`` cell ran on.\n\n"
-        f"{table}\n\n    ``%%mesh?`` shows how to run a cell on a mesh.\n"
+        + "\n".join(table)
+        + "\n\n    ``%%mesh?`` shows how to run a cell on a mesh.\n"
     )
 
 
@@ -86,22 +95,35 @@ class MeshMagics(Magics):
     # -- %%mesh ------------------------------------------------------------------------------------
     @cell_magic
     def mesh(self, line: str, cell: str | None = None) -> Any:
-        """Run this cell on every worker of a mesh: ``%%mesh gpu=4`` starts (or reuses) 4 workers.
+        """Run this cell on every worker of a mesh: ``%%mesh gpu=4`` starts
+        (or reuses) 4 workers.
 
-        %%mesh gpu=8                      start (or reuse) a local mesh of 8 workers; run the cell on each
-        %%mesh host=2 gpu=4               a two-dimensional mesh
-        %%mesh mesh                       run on a ProcMesh variable (any view of a spawned mesh)
-        %%mesh gpu=8 --on gpu=0:4         run on part of the mesh (an index or a start:stop range)
-        %%mesh gpu=8 --noblock            return at once; output keeps arriving in the cell
-        %%mesh gpu=8 --group arrival      output in arrival order, each line labelled (default: by rank)
-        %%mesh gpu=8 --save run           keep the run's handle in `run` (run.result(), run.mesh)
-        %%mesh --replace gpu=4            stop the running mesh (its namespaces are lost), start this shape
-        %%mesh gpu=4 --profile traces/    profile the cell: a trace per rank, a merged one, a summary
+        %%mesh gpu=8
+            start (or reuse) a local mesh of 8 workers; run the cell on each
+        %%mesh host=2 gpu=4
+            a two-dimensional mesh
+        %%mesh mesh
+            run on a ProcMesh variable (any view of a spawned mesh)
+        %%mesh gpu=8 --on gpu=0:4
+            run on part of the mesh (an index or a start:stop range)
+        %%mesh gpu=8 --noblock
+            return at once; output keeps arriving in the cell
+        %%mesh gpu=8 --group arrival
+            output in arrival order, each line labelled (default: by rank)
+        %%mesh gpu=8 --save run
+            keep the run's handle in `run` (run.result(), run.mesh)
+        %%mesh --replace gpu=4
+            stop the running mesh (its namespaces are lost), start this
+            shape
+        %%mesh gpu=4 --profile traces/
+            profile the cell: a trace per rank, a merged one, a summary
 
-        On each worker the cell runs in that worker's own namespace, kept between cells, with `rank`,
-        `coords`, `device` and `mesh_size` set; the workers already form a torch.distributed group. Output
-        appears live, one area per rank; the last expression comes back as a ValueMesh (one value per rank).
-        ``%mesh help`` lists the line commands.
+        On each worker the cell runs in that worker's own namespace, kept
+        between cells, with `rank`, `coords`, `device` and `mesh_size` set;
+        the workers already form a torch.distributed group. Output appears
+        live, one area per rank; the last expression comes back as a
+        ValueMesh (one value per rank). ``%mesh help`` lists the line
+        commands.
         """
         if cell is None:
             return self._line(line)
@@ -475,9 +497,14 @@ def load(ip) -> None:
     _loaded[id(ip)] = magics
     if magics.widgets:
         register_formatters(ip)
+    from monarch.extension import supervision
     from monarch.runtime import controller as ctl
 
+    shown = supervision.install(ip)  # (unhandled actor mesh failures, notices: in the cell the user looks at)
+
     def setup(controller) -> None:
+        if magics.widgets:
+            controller.notify = shown.print_notice
         magics.stdin = NotebookStdin(controller, magics.widgets)
         controller.stdin.prompt = magics.stdin
         if magics.widgets:
@@ -492,9 +519,6 @@ def load(ip) -> None:
             magics.stdin.cell_done()
 
     ip.events.register("post_run_cell", cell_done)
-    from monarch.extension import supervision
-
-    supervision.install(ip)  # (unhandled actor mesh failures shown in their cell)
 
 
 def unload(ip) -> None:

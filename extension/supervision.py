@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from monarch.runtime.actors import supervision
+from monarch.runtime.common.prose import fit
 
 
 class FailureDisplay:
@@ -26,7 +27,7 @@ class FailureDisplay:
         self.running: dict | None = None
         """The parent message of the cell running now (None between cells)."""
         self.waiting: list[str] = []
-        """Failures that came while no cell ran, worded, for the next cell."""
+        """Failures and notices that came while no cell ran, worded, for the next cell."""
         self._lock = threading.Lock()
 
     def pre_run_cell(self, info: Any = None) -> None:
@@ -44,8 +45,13 @@ class FailureDisplay:
             self.running = None
 
     def show(self, failure: supervision.MeshFailure) -> bool:
-        """Write `failure` to the running cell's stderr, or keep it for the next cell; False outside a kernel
-        (the default hook prints it)."""
+        """Show `failure` in the running cell, or at the top of the next; False outside a kernel (the default
+        hook prints it)."""
+        return self.notice(f"MeshFailure: {failure}\n{_HOW}", "MeshFailure")
+
+    def notice(self, text: str, what: str = "") -> bool:
+        """Write `text` to the running cell's stderr, or keep it for the next cell (saying when it came,
+        after `what`, its first word); False outside a kernel."""
         stream = sys.stderr
         set_parent = getattr(stream, "set_thread_parent", None)
         if set_parent is None or getattr(self.ip, "kernel", None) is None:
@@ -53,24 +59,35 @@ class FailureDisplay:
         with self._lock:
             running = self.running
             if running is None:
-                when = time.strftime("%H:%M:%S")
-                self.waiting.append(f"MeshFailure at {when}, while no cell ran: {failure}\n{_HOW}")
+                head, _, rest = text.partition(": ")
+                if what and head == what:
+                    text = f"{what} at {time.strftime('%H:%M:%S')}, while no cell ran: {rest}"
+                else:
+                    text = f"({time.strftime('%H:%M:%S')}, while no cell ran) {text}"
+                self.waiting.append(fit(text) + "\n")
                 return True
         token = set_parent(running)
         try:
-            stream.write(f"MeshFailure: {failure}\n{_HOW}")
+            stream.write(fit(text) + "\n")
             stream.flush()
         finally:
             stream.reset_thread_parent(token)
         return True
 
+    def print_notice(self, text: str) -> None:
+        """`Controller.notify` in a kernel: a notice no call carries, shown where the user looks."""
+        if not self.notice(text):
+            print(text, file=sys.stderr)
 
-_HOW = "(no __supervise__ of its owner handled it; set monarch.actor.unhandled_fault_hook to handle it yourself)\n"
+
+_HOW = "(no __supervise__ of its owner handled it; set monarch.actor.unhandled_fault_hook to handle it yourself)"
 
 
-def install(ip: Any) -> None:
-    """Route unhandled actor mesh failures to `ip`'s cells."""
+def install(ip: Any) -> FailureDisplay:
+    """Route unhandled actor mesh failures (and the runtime's notices, `FailureDisplay.print_notice`) to `ip`'s
+    cells."""
     display = FailureDisplay(ip)
     ip.events.register("pre_run_cell", display.pre_run_cell)
     ip.events.register("post_run_cell", display.post_run_cell)
     supervision.SHOW = display.show
+    return display

@@ -210,7 +210,7 @@ def test_in_the_notebook_a_death_shows_once_where_the_user_looks_and_the_kernel_
     with monarch_kernel() as k:
         r = k.run(define + wait_shown.format(n=1), timeout=90)
         assert r.status == "ok", r.text()
-        text = r.text()
+        text = " ".join(r.text().split())  # (as one line: it is wrapped to fit an output area)
         assert text.count("MeshFailure: actor mesh 'nb_workers' (W) on {gpu: 3}: rank 1 (gpu=1) killed by SIGKILL") == 1
         assert "unhandled_fault_hook to handle it yourself" in text and "monarch: MeshFailure" not in text, text
         pids = k.value("pids")
@@ -234,7 +234,7 @@ def test_in_the_notebook_a_death_shows_once_where_the_user_looks_and_the_kernel_
         wait_for(lambda: delivered() == 2, 60, "the second failure delivered")
         assert [m for m in late if m["msg_type"] in ("stream", "display_data", "error")] == [], late
         r = k.run("print('the next cell')")
-        text = r.text()
+        text = " ".join(r.text().split())
         assert r.status == "ok" and text.count("killed by SIGKILL") == 1, text
         assert text.startswith("MeshFailure at ") and ", while no cell ran: actor mesh 'nb_workers'" in text, text
         assert "rank 2 (gpu=2) killed by SIGKILL" in text and text.rstrip().endswith("the next cell"), text

@@ -69,12 +69,12 @@ def open_notebook(page, lab):
 
 
 @contextlib.contextmanager
-def browser_page(name: str, height: int = 1000):
+def browser_page(name: str, height: int = 1000, width: int = 1400):
     """A page in headless Chromium; afterwards, pass or fail, its screenshot and output HTML as `name`."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": height})
+        page = browser.new_page(viewport={"width": width, "height": height})
         try:
             yield page
         finally:
@@ -282,9 +282,9 @@ def _statuses(cell) -> list[str]:
 
 @pytest.mark.timeout(240)
 def test_the_status_table_tells_what_each_rank_does(lab, tmp_path):
-    """During a --noblock run, a rank that finished shows idle while another still runs (and its time counts);
-    cells queued one after another as Run All queues them, ending with a shutdown, leave the table showing
-    the state the mesh had when it stopped: idle, not busy."""
+    """During a --noblock run, a rank that finished shows idle while another still runs (and its time counts):
+    the table says it is live until the next cell starts. Then it keeps what was true at that moment: cells
+    queued after it as Run All queues them, a busy one and a shutdown, change nothing in it."""
     release = tmp_path / "release"
     with browser_page("status_table") as page:
         idle = open_notebook(page, lab)
@@ -302,13 +302,14 @@ def test_the_status_table_tells_what_each_rank_does(lab, tmp_path):
         expect(row1).not_to_have_text("0 s", timeout=WAIT_MS)  # the busy rank's time counts
         release.touch()
         expect(status, shown).to_have_text(["idle", "idle"], timeout=WAIT_MS)
+        expect(table.locator("caption"), shown).to_have_text("ProcMesh {gpu: 2} (live)")
         # Run All's way: the next cells queued at once; the last stops the mesh right after a call ends
         for i, source in enumerate(["%%mesh\nimport time\ntime.sleep(0.3)", "%mesh shutdown"], start=2):
             run_cell(page, i, source, wait=False)
         expect(page.locator(".jp-Cell").nth(3).locator(".jp-InputPrompt")).to_have_text("[4]:", timeout=WAIT_MS)
         idle.wait_for(timeout=WAIT_MS)
-        expect(table.locator("caption"), shown).to_contain_text("stopped at", timeout=WAIT_MS)
-        assert _statuses(table) == ["idle", "idle"], table.inner_text()
+        expect(table.locator("caption"), shown).to_contain_text("ProcMesh {gpu: 2} (as of ", timeout=WAIT_MS)
+        assert _statuses(table) == ["idle", "idle"] and "stopped" not in table.inner_text(), table.inner_text()
         assert "[this run ended after" in page.locator(".jp-Cell").nth(0).locator(".jp-OutputArea").inner_text()
 
 
@@ -358,3 +359,124 @@ def test_a_flood_keeps_the_cell_short_and_the_saved_notebook_small(lab):
         wait_for(lambda: saved.exists() and "line 04999" in saved.read_text(), 30, "the notebook's save")
         assert saved.stat().st_size < 100_000, saved.stat().st_size
         run_cell(page, 1, "%mesh shutdown")
+
+
+# Words a line break cut in two inside `root`'s text (JupyterLab draws output text with `word-break:
+# break-all`: a line longer than its area breaks wherever it reaches the edge)
+BROKEN_WORDS = """root => {
+  const broken = [];
+  const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+  for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+    const re = /[A-Za-z0-9_']+/g;
+    let m;
+    while ((m = re.exec(n.textContent))) {
+      const r = document.createRange();
+      r.setStart(n, m.index);
+      r.setEnd(n, m.index + m[0].length);
+      const tops = new Set([...r.getClientRects()].filter((x) => x.width > 0).map((x) => Math.round(x.top)));
+      if (tops.size > 1) broken.push(m[0]);
+    }
+  }
+  return broken;
+}"""
+
+# A figure's text and background as drawn: computed colours
+FIGURE_COLOURS = """svg => {
+  const text = svg.querySelector("text"), bg = svg.querySelector("path");
+  return { text: getComputedStyle(text).fill, bg: getComputedStyle(bg).fill };
+}"""
+
+
+def _contrast(fg: str, bg: str) -> float:
+    def lum(colour: str) -> float:
+        vals = [float(v) for v in colour[colour.index("(") + 1 : colour.index(")")].split(",")[:3]]
+        lin = [(v / 255) / 12.92 if v / 255 <= 0.03928 else ((v / 255 + 0.055) / 1.055) ** 2.4 for v in vals]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+    hi, lo = sorted([lum(fg), lum(bg)], reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("lab", ["JupyterLab Dark"], indirect=True)
+def test_at_1000_px_in_the_dark_outputs_stay_true_to_their_cell_and_whole(lab, tmp_path):
+    """Chromium 1,000 px wide (the file browser open), the dark theme: help and errors keep each word whole;
+    a worker's figure reads in the dark; an old `%mesh status` output keeps what it showed while later cells
+    run; a worker killed while no cell runs is reported once, at the top of the next cell run, and no old
+    cell's output changes."""
+    gate = tmp_path / "gate"
+    with browser_page("narrow_dark", width=1000) as page:
+        open_notebook(page, lab)
+
+        def outputs(i: int):
+            return page.locator(".jp-Notebook .jp-Cell").nth(i).locator(".jp-OutputArea")
+
+        def whole(i: int, what: str) -> None:
+            area = outputs(i)
+            assert area.evaluate(BROKEN_WORDS) == [], f"{what}: words broken across lines:\n{area.inner_text()}"
+
+        cell, shown = run_cell(page, 0, "%mesh?")
+        expect(cell.locator(".jp-OutputArea"), shown).to_contain_text("%mesh status", timeout=WAIT_MS)
+        whole(0, "%mesh?")
+
+        actors = (
+            "import os, time\nfrom monarch.actor import Actor, endpoint, this_host\n"
+            "from monarch.runtime.actors import supervision\n"
+            "class W(Actor):\n    @endpoint\n    def pid(self):\n        return os.getpid()\n"
+            "procs = this_host().spawn_procs({'gpu': 2})\nws = procs.spawn('watched', W)\n"
+            "print('pids', *ws.pid.call().get().values())"
+        )
+        cell, shown = run_cell(page, 1, actors)
+        expect(cell.locator(".jp-OutputArea"), shown).to_contain_text("pids ", timeout=WAIT_MS)
+        pids = [int(p) for p in outputs(1).inner_text().split("pids ")[1].split()[:2]]
+
+        figure = (
+            "%%mesh gpu=2\nimport matplotlib.pyplot as plt\n"
+            "plt.plot([0, 1], [rank, 1 - rank], label='loss')\nplt.title(f'rank {rank}')\nplt.legend()"
+        )
+        cell, shown = run_cell(page, 2, figure)
+        svgs = cell.locator("svg.monarch-figure")
+        expect(svgs, shown).to_have_count(2, timeout=WAIT_MS)
+        colours = svgs.first.evaluate(FIGURE_COLOURS)
+        assert _contrast(colours["text"], colours["bg"]) >= 4.5, colours  # light text on the dark page
+        assert _contrast("rgb(0, 0, 0)", colours["bg"]) < 2, colours  # (the background is dark, not a white box)
+
+        table, shown = run_cell(page, 3, "%mesh status")
+        rows = table.locator("table.monarch-mesh-table tr[data-rank]")
+        expect(rows, shown).to_have_count(2, timeout=WAIT_MS)
+        expect(table.locator("caption"), shown).to_have_text("ProcMesh {gpu: 2} (live)")
+        whole(3, "%mesh status")
+        cut = table.locator("table.monarch-mesh-table td").evaluate_all(
+            "tds => tds.filter(td => td.scrollWidth > td.clientWidth + 1).map(td => td.textContent)"
+        )
+        assert cut == [], f"cells clipped: {cut}"
+        busy = f"%%mesh --noblock\nimport os, time\nwhile not os.path.exists({str(gate)!r}):\n    time.sleep(0.05)"
+        run_cell(page, 4, busy)
+        before = outputs(3).inner_text()
+        assert "(as of " in before and "busy" not in before, before  # frozen as the next cell started
+        cell, shown = run_cell(page, 5, "%%mesh\nprint(1)")
+        expect(cell.locator(".jp-OutputArea"), shown).to_contain_text("MeshBusyError", timeout=WAIT_MS)
+        whole(5, "MeshBusyError")
+        assert outputs(3).inner_text() == before  # the ranks are busy now: the old table still shows then
+        gate.touch()
+        expect(outputs(4)).to_contain_text("[this run ended after", timeout=WAIT_MS)
+        cell, shown = run_cell(page, 6, "%%mesh\nimport os\nif rank == 1:\n    os._exit(7)")
+        expect(cell.locator(".jp-OutputArea"), shown).to_contain_text("WorkerDiedError", timeout=WAIT_MS)
+        whole(6, "WorkerDiedError")
+
+        # a worker of the actors killed while no cell runs
+        old = [outputs(i).inner_text() for i in range(7)]
+        os.kill(pids[1], signal.SIGKILL)
+        assert wait_gone([pids[1]], 30) == []
+        nxt = (
+            "deadline = time.monotonic() + 60\n"
+            "while supervision.delivered < 1 and time.monotonic() < deadline:\n    time.sleep(0.05)\nprint('next')"
+        )
+        cell, shown = run_cell(page, 7, nxt)
+        expect(cell.locator(".jp-OutputArea"), shown).to_contain_text("next", timeout=WAIT_MS)
+        text = cell.locator(".jp-OutputArea").inner_text()
+        assert text.count("MeshFailure") == 1 and "'watched' (W)" in text and "killed by SIGKILL" in text, text
+        whole(7, "MeshFailure")
+        assert [outputs(i).inner_text() for i in range(7)] == old  # nothing appended to an old cell
+        run_cell(page, 8, "procs.exit()")
+        run_cell(page, 9, "%mesh shutdown")

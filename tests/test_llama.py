@@ -95,7 +95,7 @@ def test_the_llama_notebook_trains_profiles_and_resumes_after_its_job_is_cancell
     assert "<svg" in html and "monarch-profile" in html and "3 (host=1,gpu=1)" in html
     assert "training-progress" in html and "<polyline" in html  # the loss curve, drawn as it trained
     # the interruption: the call failed naming the cancelled job; the resume started from a checkpoint
-    cut = _text(_cell(nb, "import subprocess"))
+    cut = " ".join(_text(_cell(nb, "import subprocess")).split())  # (notices are wrapped to fit an output area)
     assert "the call failed (WorkerDiedError) when the job was cancelled" in cut, cut
     assert re.search(r"monarch: rank \d \(host=\d,gpu=\d\) .* whose Slurm job \d+ was cancelled", cut), cut
     resumed = _text(_cell(nb, "job = monarch.notebook.reserve", "resumed"))

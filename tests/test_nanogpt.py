@@ -97,11 +97,13 @@ def test_notebook(tmp_path):
     assert re.search(r"after 100 steps: train loss \d\.\d+, val loss \d\.\d+", first), first
     assert len(set(re.findall(r"gpu=\d\s+(\d\.\d+)", first))) == 1, first
 
-    # 2. The controller loop: a progress bar (widget) and the curve (a PNG display, updated in place).
+    # 2. The controller loop: a progress bar (widget) and the curve (inline SVG in the theme's colours,
+    # updated in place).
     loop = _cell(nb, "bar = widgets.IntProgress")
     kinds = [set(out.get("data", {})) for out in loop.outputs]
     assert any("application/vnd.jupyter.widget-view+json" in k for k in kinds), kinds
-    assert any("image/png" in k for k in kinds), kinds
+    curves = [out["data"]["text/html"] for out in loop.outputs if "text/html" in out.get("data", {})]
+    assert curves and 'class="monarch-figure"' in curves[-1] and "currentColor" in curves[-1], kinds
     state = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
     bars = [m["state"] for m in state.values() if m.get("model_name") == "IntProgressModel"]
     assert bars and bars[-1]["value"] == bars[-1]["max"] == 300, bars

@@ -79,3 +79,29 @@ def test_a_flood_keeps_each_ranks_last_lines_in_the_static_view_and_says_how_man
     html = log.html()
     assert '<span class="ansi-red-fg">line 0999</span>' in html and "line 0989" not in html
     assert html.count('class="jp-RenderedText monarch-skipped"') == 3 and "fig 1" not in html
+
+
+def test_a_matplotlib_figure_is_drawn_in_the_pages_colours():
+    """Black becomes the text colour around the figure and white the page's background (light or dark);
+    nothing in it styles the page outside it; a worker's figure is drawn in this form in its rank's area."""
+    import xml.etree.ElementTree as ET
+
+    from matplotlib.figure import Figure
+
+    from monarch.runtime.common import figures
+
+    fig = Figure(figsize=(4, 3))
+    ax = fig.subplots()
+    ax.plot([0, 1], [1, 0], label="loss")
+    ax.set_title("rank 0")
+    ax.legend()
+    svg = figures.themed_svg(fig)
+    assert svg is not None and svg.startswith("<svg ") and 'class="monarch-figure"' in svg
+    root = ET.fromstring(svg)  # well-formed, one root
+    assert root.get("fill") == "currentColor"
+    assert "#000000" not in svg and "<style" not in svg and "<?xml" not in svg
+    assert "fill: var(--jp-layout-color0, #ffffff)" in svg and "stroke: currentColor" in svg
+    assert "rank 0" in svg  # text as text
+    assert figures.themed_svg(fig, max_bytes=1000) is None  # too large: the PNG only
+    shown = render.bundle_html({figures.MIME: svg, "image/png": "AA", "text/plain": "<Figure>"})
+    assert 'class="monarch-figure"' in shown and "<img" not in shown

@@ -255,7 +255,7 @@ def test_a_call_running_when_its_job_is_cleaned_up_names_the_cleanup(cluster, tm
     with pytest.raises(monarch.MeshStoppedError) as e:
         fut.result(timeout=10)
     assert (
-        "stopped because its job 'cut' was cleaned up (monarch.notebook.cleanup) while this call nap still ran"
+        "stopped because its job 'cut' was cleaned up (monarch.notebook.cleanup) while ranks 0-1 still ran this call (nap)"
         in str(e.value)
     )
     assert "mesh.exit()" not in str(e.value)

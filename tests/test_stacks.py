@@ -62,7 +62,7 @@ def test_stacks_show_ranks_stuck_in_all_reduce_grouped_and_the_one_asleep():
     assert wait_gone(pids) == []
     with pytest.raises(
         monarch.MeshStoppedError,
-        match=r"was stopped \(mesh.exit\(\), %mesh restart or %mesh shutdown\) while this call",
+        match=r"was stopped \(mesh.exit\(\), %mesh restart or %mesh shutdown\) while ranks 0-3 still ran this call",
     ):
         fut.result(timeout=10)
 

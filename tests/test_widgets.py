@@ -43,7 +43,11 @@ def test_mesh_table_status_follows_the_workers(mesh8, tmp_path):
     assert WIDGET_VIEW in bundle
     assert bundle["text/html"].count("<tr data-rank=") == 4 and "monarch-status-idle" in bundle["text/html"]
     lines = bundle["text/plain"].splitlines()  # the slice dropped the host dimension
-    assert lines[0] == "ProcMesh {gpu: 4}" and lines[1].split()[:3] == ["gpu", "rank", "hostname"]
+    assert (
+        table.title == "ProcMesh {gpu: 4} (live)"
+        and lines[0] == "ProcMesh {gpu: 4}"
+        and lines[1].split()[:3] == ["gpu", "rank", "hostname"]
+    )
 
 
 @pytest.mark.timeout(60)
@@ -195,9 +199,9 @@ def test_debugger_view_static_forms():
 
 
 @pytest.mark.timeout(90)
-def test_a_frozen_mesh_table_keeps_what_was_true_when_its_cell_ended(tmp_path):
-    """A table is live while its cell runs; when the cell ends the extension freezes it, and later work (a
-    later cell's) changes nothing in it. A live table made beside it is the witness that changes were sent."""
+def test_a_frozen_mesh_table_keeps_what_was_true_when_it_froze(tmp_path):
+    """A table is live until the next cell starts; then the extension freezes it, and later work (a later
+    cell's) changes nothing in it. A live table made beside it is the witness that changes were sent."""
     from monarch.actor import this_host
 
     gate = tmp_path / "gate"
@@ -213,7 +217,7 @@ def test_a_frozen_mesh_table_keeps_what_was_true_when_its_cell_ended(tmp_path):
     try:
         old = MeshTableWidget(mesh)
         old.freeze()
-        assert "(as of " in old.title and "when its cell ended)" in old.title, old.title
+        assert old.title.startswith("ProcMesh {gpu: 2} (as of ") and "live" not in old.title, old.title
         seen = (old.title, old.rows)
         live = MeshTableWidget(mesh)
         fut = hold.on(mesh).call_async(str(gate))

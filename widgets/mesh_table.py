@@ -13,8 +13,10 @@ from monarch.widgets.base import StaticFallbackWidget
 from monarch.widgets.style import esc, table, text_table
 
 _ESM = r"""
+const OPTIONAL = ["memory", "running", "for", "actors"], WRAP = ["running", "actors"];
 function draw(model, el) {
-  const cols = model.get("columns"), rows = model.get("rows");
+  const rows = model.get("rows");  // (a column empty in every row takes no room)
+  const cols = model.get("columns").filter((c) => !OPTIONAL.includes(c) || rows.some((r) => `${r[c] ?? ""}` !== ""));
   const t = document.createElement("table");
   t.className = "monarch-table monarch-mesh-table";
   const cap = t.createCaption(); cap.textContent = model.get("title");
@@ -26,6 +28,7 @@ function draw(model, el) {
     for (const c of cols) {
       const td = tr.insertCell(); td.textContent = row[c];
       if (c === "status") td.className = `monarch-status monarch-status-${row[c]}`;
+      else if (WRAP.includes(c)) td.className = "monarch-wrap";
     }
   }
   el.replaceChildren(t);
@@ -41,13 +44,22 @@ export default {
 """
 
 
+OPTIONAL = ("memory", "running", "for", "actors")
+"""Columns left out when empty in every row (idle ranks run nothing; a mesh without actors)."""
+WRAP = ("running", "actors")
+"""Columns whose text may wrap at spaces; the others keep each value on one line (``200 MiB``)."""
+
+
 def _cell(col: str, value: object) -> str:
     if col == "status":
         return f'<td class="monarch-status monarch-status-{esc(value)}">{esc(value)}</td>'
+    if col in WRAP:
+        return f'<td class="monarch-wrap">{esc(value)}</td>'
     return f"<td>{esc(value)}</td>"
 
 
 def table_html(title: str, columns: list[str], rows: list[dict]) -> str:
+    columns = [c for c in columns if c not in OPTIONAL or any(str(row.get(c, "")) for row in rows)]
     cells = [[_cell(c, row[c]) for c in columns] for row in rows]
     attrs = [f'data-rank="{row["rank"]}"' for row in rows]
     return table(title, columns, cells, "monarch-mesh-table", attrs)
@@ -56,9 +68,10 @@ def table_html(title: str, columns: list[str], rows: list[dict]) -> str:
 class MeshTableWidget(StaticFallbackWidget):
     """`mesh.to_table()` in a notebook: refreshed when workers become busy, idle or fail, until `freeze()`.
 
-    In a notebook the table is live only while the cell that showed it runs: when that cell ends, the
-    extension freezes it, and it keeps what was true then (its title says when), as any other output does.
-    A table of a notebook's section 4 must not show section 7's work.
+    In a notebook the table is live (its title says so) until the next cell starts: then the extension
+    freezes it, and it keeps what was true then (its title says when), as any other output does. A table of
+    a notebook's section 4 must not show section 7's work; one shown beside a `--noblock` run follows it
+    while nothing else runs.
 
     When the mesh is stopped on purpose (`exit()`, `%mesh shutdown`), the table keeps the last state it
     showed and says in its title when the mesh stopped: a notebook run top to bottom that ends by
@@ -71,7 +84,7 @@ class MeshTableWidget(StaticFallbackWidget):
 
     def __init__(self, mesh) -> None:
         table = mesh.to_table()
-        super().__init__(title=f"ProcMesh {table.title}", columns=table.columns, rows=_plain(table.rows))
+        super().__init__(title=f"ProcMesh {table.title}{LIVE}", columns=table.columns, rows=_plain(table.rows))
         self._mesh = mesh
         self._pending = False
         self._frozen = False
@@ -119,7 +132,7 @@ class MeshTableWidget(StaticFallbackWidget):
             return
         with contextlib.suppress(Exception):
             self.rows = _plain(self._mesh.to_table().rows)
-        self.title += f" (as of {time.strftime('%H:%M:%S')}, when its cell ended)"
+        self.title = self.title.removesuffix(LIVE) + f" (as of {time.strftime('%H:%M:%S')})"
 
     def schedule_refresh(self, delay: float = 0.1) -> None:
         """Coalesce bursts of changes into at most ~10 updates a second."""
@@ -147,18 +160,26 @@ class MeshTableWidget(StaticFallbackWidget):
 
     def _show_stopped(self) -> None:
         self.rows = [{**r, **self._last.get(r["rank"], {})} for r in self.rows]
-        self.title += f" (stopped at {time.strftime('%H:%M:%S')}; the rows show its last state)"
+        self.title = (
+            self.title.removesuffix(LIVE) + f" (stopped at {time.strftime('%H:%M:%S')}; the rows show its last state)"
+        )
 
     def _said_stopped(self) -> bool:
         return "(stopped at " in self.title
 
-    def static_html(self) -> str:
-        return table_html(self.title, self.columns, self.rows)
+    def static_html(self) -> str:  # (saved with the notebook: not live there)
+        return table_html(self.title.removesuffix(LIVE), self.columns, self.rows)
 
     def static_text(self) -> str:
-        return self.title + "\n" + text_table(self.columns, [[str(r[c]) for c in self.columns] for r in self.rows])
+        return (
+            self.title.removesuffix(LIVE)
+            + "\n"
+            + text_table(self.columns, [[str(r[c]) for c in self.columns] for r in self.rows])
+        )
 
 
+LIVE = " (live)"
+"""The title's end while the table follows the mesh."""
 BUSY_TICK = 1.0
 """Seconds between refreshes while a rank is busy (its "for" column counts)."""
 

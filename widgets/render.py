@@ -14,6 +14,8 @@ import html
 import json
 import re
 
+from monarch.runtime.common.figures import MIME as FIGURE
+
 MATHML, TEX = "mathml", "tex"
 """How a formula is drawn: MathML (live view) or TeX for MathJax (static view)."""
 
@@ -240,8 +242,11 @@ _IMAGES = ("image/png", "image/jpeg", "image/gif", "image/webp", "image/bmp")
 
 
 def bundle_html(data: dict, math: str = MATHML) -> str:
-    """The richest form of a display that can be shown, as HTML, chosen in JupyterLab's order."""
-    if "text/html" in data:
+    """The richest form of a display that can be shown, as HTML, chosen in JupyterLab's order (a worker's
+    matplotlib figure first in its themed form: `runtime/common/figures.py`)."""
+    if FIGURE in data:
+        body = data[FIGURE]
+    elif "text/html" in data:
         body = data["text/html"]
     elif "image/svg+xml" in data:
         body = data["image/svg+xml"]

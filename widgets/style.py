@@ -36,6 +36,7 @@ CSS = (
 .monarch-table{border-collapse:collapse;font-size:12px;color:var(--jp-content-font-color1,inherit)}
 .monarch-table th,.monarch-table td{padding:2px 8px;text-align:left;border-bottom:1px solid var(--jp-border-color2,#ddd);font-family:var(--jp-code-font-family,monospace)}
 .monarch-table caption{text-align:left;font-weight:600;padding:2px 0}
+.monarch-mesh-table td{white-space:nowrap}.monarch-mesh-table td.monarch-wrap{white-space:normal;min-width:10em}
 .monarch-status-idle{color:var(--jp-success-color1,#2a7d2a)}.monarch-status-busy{color:var(--jp-warn-color1,#b36b00)}
 .monarch-status-failed{color:var(--jp-error-color1,#c00);font-weight:600}.monarch-status-stopped{color:var(--jp-ui-font-color2,#888)}
 .monarch-tensor select{margin:2px 0 4px 0}

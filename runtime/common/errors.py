@@ -7,6 +7,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
+from monarch.runtime.common.prose import fit
 from monarch.runtime.common.shape import format_ranks
 
 
@@ -184,9 +185,11 @@ def _describe(head: str, failures: list[Failure]) -> str:
 
 
 def _render(name: str, text: str) -> list[str]:
+    """The lines IPython shows for one of our errors: its name in red, its prose wrapped to fit an output
+    area (`prose.fit`: JupyterLab breaks longer lines mid-word)."""
     red, reset = "\x1b[0;31m", "\x1b[0m"
-    head, _, rest = text.partition("\n")
-    return [f"{red}{name}{reset}: {head}", *rest.splitlines()]
+    lines = fit(f"{name}: {text}").split("\n")
+    return [f"{red}{name}{reset}{lines[0][len(name) :]}", *lines[1:]]
 
 
 class WorkerDiedError(RemoteError):

@@ -70,6 +70,9 @@ class Controller:
         self.stdin = StdinService(self, DebugServer)
         self.spawn_progress: Callable[[str, int], SpawnProgress] = TerminalProgress
         """Makes what shows a mesh's start, from its shape and size (the notebook shows it in the cell)."""
+        self.notify: Callable[[str], None] = _print_notice
+        """Shows a notice of the runtime's that no call carries (a worker of an idle mesh died): stderr here;
+        the notebook shows it in the running cell, or at the top of the next one."""
         self.listeners: list[Callable[[SpawnedMesh], None]] = []
         """Called (on any thread) when a mesh's workers change state: busy, idle, failed, stopped."""
         self._ids = itertools.count(1)
@@ -452,7 +455,7 @@ class Controller:
             if pending.mesh is mesh:
                 self._fail(pending, mesh.failure)
         self.changed(mesh)
-        print(f"monarch: {mesh.failure}", file=sys.stderr)
+        self.notify(f"monarch: {mesh.failure}")
 
     def _lose_rank(self, mesh: SpawnedMesh, rank: int, cause: str) -> None:
         """One rank of a mesh with actors is gone (monitor thread): fail the calls waiting on it, make later
@@ -542,12 +545,16 @@ class Controller:
         return self._closed
 
 
+def _print_notice(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
 def _stopped_during(pending: PendingCall, why: str) -> MeshStoppedError:
     mesh = pending.mesh
     running = [r for r in pending.ranks if r not in pending.replies]
     failed = [r for r, env in pending.replies.items() if not env.message.ok and r not in pending.released]
-    what = f"{pending.name} " if pending.name else ""
-    text = f"mesh {mesh.shape.describe()} was stopped {why} while this call {what}still ran on {_ranks(running)}"
+    what = f" ({pending.name})" if pending.name else ""
+    text = f"mesh {mesh.shape.describe()} was stopped {why} while {_ranks(running)} still ran this call{what}"
     if failed:
         text += f"; {_ranks(sorted(failed))} had failed before (their tracebacks were shown as they came)"
     return MeshStoppedError(text)

@@ -182,7 +182,14 @@ def _format(obj: Any, include, exclude) -> tuple[dict, dict]:
         png = _formatter.formatters["image/png"]
         png.for_type_by_name("matplotlib.figure", "Figure", _figure_png)
     data, md = _formatter.format(obj, include=include, exclude=exclude)
-    return dict(data), dict(md)
+    data, md = dict(data), dict(md)
+    if type(obj).__name__ == "Figure" and type(obj).__module__ == "matplotlib.figure" and "image/png" in data:
+        from monarch.runtime.common import figures
+
+        svg = figures.themed_svg(obj)  # (the rank's area draws it in the notebook's theme; the PNG for the rest)
+        if svg is not None:
+            data[figures.MIME] = svg
+    return data, md
 
 
 def _figure_png(fig: Any) -> bytes | None:
