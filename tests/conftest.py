@@ -38,7 +38,7 @@ def say_started(marker: str) -> None:
         pass
 
 
-def wait_gone(pids, timeout: float = 5.0) -> list[int]:
+def wait_gone(pids, timeout: float = 30.0) -> list[int]:
     """Wait until none of `pids` runs; return those still running after `timeout`."""
     deadline = time.monotonic() + timeout
     alive = list(pids)

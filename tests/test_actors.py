@@ -254,7 +254,7 @@ def test_a_process_that_dies_under_an_actor_mesh_fails_its_calls_naming_the_rank
         wait_for(lambda: started(gate, 1), what="the call on gpu=1")
         os.kill(pids[1], 9)
         with pytest.raises(monarch.WorkerDiedError, match=r"rank 1 \(gpu=1\)"):
-            f.get(timeout=10)
+            f.get(timeout=30)
     finally:
         mesh.exit()
     assert wait_gone(pids) == []

@@ -62,7 +62,7 @@ def test_monarchs_getting_started_runs_as_its_users_write_it(job, tmp_path):
             assert f"Trainer {{'host': {h}/2, 'gpus': {g}/4}} taking a step." in out, out  # (a Point, likewise)
     assert out.count("'Step with data <fake data 1> and input = None'") == 8, out  # each trainer's own loader
     assert "It didn't say hello" in out and out.rstrip().endswith("done"), out
-    wait_for(lambda: not _monarch_procs(str(tmp_path)), 10, "the script's workers gone with it")
+    wait_for(lambda: not _monarch_procs(str(tmp_path)), what="the script's workers gone with it")
 
 
 class Where(Actor):

@@ -45,11 +45,11 @@ def test_worker_sigkill_mid_call_fails_the_call_and_mesh_respawns(tmp_path):
     wait_for(lambda: started(marker, 4), what="the call starting on every rank")
     os.kill(pids[2], signal.SIGKILL)
     with pytest.raises(WorkerDiedError) as e:  # (not a TimeoutError: the death is noticed, from its sentinel)
-        fut.result(timeout=10)
+        fut.result(timeout=30)
     msg = str(e.value)
     assert "rank 2 (gpu=2) of mesh {gpu: 4} killed by SIGKILL (kill -9, or the kernel's out-of-memory killer)" in msg
     assert e.value.ranks == [2]
-    assert wait_gone(pids, 3) == []  # the rest of the mesh was stopped, nothing hangs in a collective
+    assert wait_gone(pids) == []  # the rest of the mesh was stopped, nothing hangs in a collective
     assert mesh.status() == ["stopped", "stopped", "failed", "stopped"]
     with pytest.raises(WorkerDiedError, match="rank 2"):
         rank.on(mesh)()  # later calls say why, at once
@@ -188,7 +188,7 @@ def test_controller_sigkill_takes_every_busy_worker_down_and_the_next_start_clea
         left = _dirs_of(proc.pid)
         assert len(left) == 2  # its sockets' directory and its fork server's
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(5)
+        proc.wait(30)
         assert wait_gone(pids, 30) == [], "workers outlived their controller"
         assert wait_gone(helpers, 30) == []
         assert all(os.path.isdir(d) for d in left)  # a SIGKILL cleans nothing...
@@ -290,44 +290,61 @@ def test_ctrl_c_is_held_until_a_multi_frame_message_is_out():
         signal.signal(signal.SIGINT, before)
 
 
-def test_ctrl_c_while_a_reply_is_being_handled_does_not_lose_it():
+def test_ctrl_c_while_a_reply_is_being_handled_does_not_lose_it(tmp_path, monkeypatch):
     """Ctrl-C that lands while the waiting thread checks a large reply of another call: that call still
     completes (the interrupt is held until the reply is handled)."""
-    import threading
+    from monarch.runtime.controller import Controller
+    from monarch.runtime.wire import codec
 
     mesh = this_host().spawn_procs({"gpu": 2})
+    gate = tmp_path / "reply-now"
 
     @monarch.remote
-    def big():
+    def big(gate):
         import torch
 
+        while not os.path.exists(gate):  # (replies once `slow` is waited for: the waiting thread takes them)
+            time.sleep(0.01)
         return torch.ones(16_000_000)  # 64 MB: its signature check takes tens of ms
 
     @monarch.remote
     def slow():
         time.sleep(30)
 
-    def press_ctrl_c_during_the_check(main_ident, stop):
-        while not stop.is_set():
-            f, names = sys._current_frames().get(main_ident), []
-            while f is not None:
-                names.append(f.f_code.co_name)
-                f = f.f_back
-            if "_sign" in names and "_receive_messages" in names:
-                os.kill(os.getpid(), signal.SIGINT)
-                return
-            time.sleep(0.0005)
+    sign, pressed = codec._sign, []
 
+    def press_ctrl_c_during_the_check(key, parts):
+        # Pressed from inside the check itself: a thread looking for it from outside could miss those few ms
+        # on a loaded machine (and then nothing would interrupt `slow`).
+        names, f = [], sys._getframe()
+        while f is not None:
+            names.append(f.f_code.co_name)
+            f = f.f_back
+        if not pressed and sum(len(p) for p in parts) > 1 << 20 and "_receive_messages" in names:
+            pressed.append(threading.current_thread().name)
+            os.kill(os.getpid(), signal.SIGINT)
+        return sign(key, parts)
+
+    def open_the_gate_once_slow_is_waited_for():
+        def waiting() -> bool:
+            f = sys._current_frames().get(threading.main_thread().ident)
+            while f is not None and f.f_code is not Controller.wait.__code__:
+                f = f.f_back
+            return f is not None
+
+        wait_for(waiting, what="the wait for slow")
+        gate.touch()
+
+    monkeypatch.setattr(codec, "_sign", press_ctrl_c_during_the_check)
     try:
-        stop = threading.Event()
-        args = (threading.main_thread().ident, stop)
-        threading.Thread(target=press_ctrl_c_during_the_check, args=args, daemon=True).start()
-        pending = big.on(mesh).call_async()
+        pending = big.on(mesh).call_async(str(gate))
+        threading.Thread(target=open_the_gate_once_slow_is_waited_for, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
             slow.on(mesh)()
-        stop.set()
-        assert [float(t.sum()) for t in pending.result(timeout=20).values()] == [16e6, 16e6]
+        assert pressed == ["MainThread"]  # (the waiting thread, checking a reply of `big`)
+        assert [float(t.sum()) for t in pending.result(timeout=30).values()] == [16e6, 16e6]
     finally:
+        monkeypatch.undo()
         mesh.exit()
 
 
@@ -381,7 +398,7 @@ def test_ctrl_c_on_a_call_queued_behind_another_threads_call_leaves_that_call_al
                 touch.on(mesh)(str(marker))
         finally:
             release.touch()
-        other.join(10)
+        other.join(30)
         assert results == [["slow done", "slow done"]]  # the other thread's call was not interrupted
         # each worker takes calls in order: once the next one has run, the interrupted one has been passed
         assert touch.on(mesh)(str(after)).values() == ["touched", "touched"]  # (its function stays shipped)

@@ -24,7 +24,7 @@ def kernel():
         yield k
         pids = k.worker_pids() if k.run("%mesh status").status == "ok" else []
         k.km.shutdown_kernel(now=False)
-        assert wait_gone(pids, 10) == []
+        assert wait_gone(pids) == []
 
 
 def test_the_readme_example_with_a_comment_on_the_magic_line_runs_and_shows_the_start(kernel: Kernel):
@@ -73,11 +73,11 @@ def test_shutdown_and_replace_say_what_they_stopped(kernel: Kernel):
     r = kernel.run("%%mesh --replace gpu=3\nrank")
     assert r.status == "ok", r.text()
     assert "monarch: stopped mesh {gpu: 2} (2 workers) to start {gpu: 3}; its namespaces are gone" in r.text()
-    assert wait_gone(pids, 5) == []
+    assert wait_gone(pids) == []
     pids = kernel.worker_pids()
     r = kernel.run("%mesh shutdown")
     assert r.status == "ok" and "monarch: stopped mesh {gpu: 3} (3 workers); its namespaces are gone" in r.text()
-    assert wait_gone(pids, 5) == []
+    assert wait_gone(pids) == []
     assert "monarch: no mesh was running" in kernel.run("%mesh shutdown --all").text()
     assert kernel.run("%%mesh gpu=2\nkept = rank + 40").status == "ok"
 

@@ -35,7 +35,7 @@ def test_output_flood_crosses_iopub_once():
         assert r.status == "ok", r.text()[-2000:]
         pids = k.worker_pids()
         k.km.shutdown_kernel(now=False)
-        assert wait_gone(pids, 10) == []
+        assert wait_gone(pids) == []
 
     printed = RANKS * lines * LINE
     sent = sum(len(json.dumps(m["content"])) for m in r.msgs)

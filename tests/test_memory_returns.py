@@ -37,7 +37,7 @@ def rss() -> int:
     raise AssertionError("no VmRSS in /proc/self/status")
 
 
-def rss_back_to(limit: int, timeout: float = 5.0) -> int:
+def rss_back_to(limit: int, timeout: float = 30.0) -> int:
     """The controller's RSS once it is at most `limit`, or when `timeout` has passed."""
     deadline = time.monotonic() + timeout
     while True:

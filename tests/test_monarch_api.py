@@ -260,7 +260,7 @@ def test_ports_between_the_controller_and_actors(procs):
     p, r = Channel.open()
     p.exception(ValueError("bad"))
     with pytest.raises(ValueError, match="bad"):
-        r.recv().get(timeout=5)
+        r.recv().get(timeout=30)
     send(f.boom, (), {}, port=p, selection="choose")
     with pytest.raises(KeyError, match="boom"):
         r.recv().get(timeout=30)

@@ -169,7 +169,7 @@ def test_script_on_a_local_mesh(tmp_path):
     assert "[gpu=0] step  300/300: loss" in done.stdout and "[gpu=1] step" not in done.stdout  # rank 0 reports
     assert "sample:\n" in done.stdout
     assert sum("monarch worker" in cmd for cmd in seen.values()) == 2, seen
-    left = wait_gone(seen, timeout=10)
+    left = wait_gone(seen)
     assert left == [], {p: seen[p] for p in left if pid_alive(p)}
 
 

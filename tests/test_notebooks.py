@@ -221,7 +221,7 @@ def run_notebook(path: Path, tmp_path: Path, local_workers: bool = True, timeout
             for out in cell.outputs
             if out.output_type == "error" and "raises-exception" not in cell.metadata.get("tags", [])
         ]
-        left = wait_gone(seen | (_monarch_procs(str(tmp_path)) - before), timeout=10)
+        left = wait_gone(seen | (_monarch_procs(str(tmp_path)) - before))
         stray = {pid: _cmdline(pid)[:200] for pid in left}
 
     assert errors == []

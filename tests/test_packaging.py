@@ -108,4 +108,4 @@ def test_the_wheel_built_from_the_sdist_installs_imports_and_runs_a_mesh_cell(tm
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=False)
-    assert wait_gone(pids, 10) == []
+    assert wait_gone(pids) == []

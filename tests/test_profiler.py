@@ -13,7 +13,7 @@ import monarch
 from monarch.profiler import Schedule, profile, record_function
 from monarch.runtime.tools import traces
 
-from conftest import wait_gone, worker_pids
+from conftest import say_started, wait_gone, worker_pids
 from helpers import perfetto_tp
 
 pytestmark = pytest.mark.timeout(120)
@@ -103,27 +103,34 @@ def test_perfettos_trace_processor_reads_the_merged_trace(mesh4, tmp_path):
 
 
 @monarch.remote
-def _train_step(slow_rank: int) -> float:
-    import time
+def _train_step(slow_rank: int, ahead: str | None = None) -> float:
+    """A step whose forward takes rank `slow_rank` longest: it is still computing once every other rank said
+    (``<ahead>.<rank>``) it goes on to the all_reduce, however the machine runs them."""
+    import glob
 
     import torch.distributed as dist
 
     from monarch.profiler import record_function
 
     a = torch.rand(128, 128)
+    slow = monarch.current_rank()["gpu"] == slow_rank
     with record_function("forward"):
-        until = time.perf_counter() + (0.15 if monarch.current_rank()["gpu"] == slow_rank else 0.005)
-        while time.perf_counter() < until:
+        while slow and len(glob.glob(glob.escape(ahead) + ".*")) < dist.get_world_size() - 1:
             a = a @ a
             a = a / a.norm()
+        for _ in range(300 if slow else 5):
+            a = a @ a
+            a = a / a.norm()
+    if ahead is not None and not slow:
+        say_started(ahead)
     dist.all_reduce(a)
     return float(a.sum())
 
 
 def test_the_summary_names_the_rank_the_others_wait_for(mesh4, tmp_path):
     with profile(mesh=mesh4, on_trace_ready=str(tmp_path), schedule=Schedule(wait=0, warmup=1, active=3)) as prof:
-        for _ in range(4):
-            _train_step.on(mesh4)(2)
+        for step in range(4):
+            _train_step.on(mesh4)(2, str(tmp_path / f"step{step}"))
             prof.step()
     summary = prof.result.summary
     assert summary.slowest == 2, summary.text()
@@ -245,7 +252,7 @@ def test_mesh_profile_in_a_notebook_shows_the_timeline_and_names_the_slow_rank(t
         r = k.run("%%mesh --profile x --noblock\n1")
         assert r.status == "error" and "cannot run with --noblock" in r.text()
         k.km.shutdown_kernel(now=False)
-    assert wait_gone(pids, 10) == []
+    assert wait_gone(pids) == []
 
 
 @pytest.mark.gpu

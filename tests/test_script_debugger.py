@@ -67,12 +67,15 @@ class Script:
 
     def wait_for(self, name: str, pattern: str, timeout: float = 30) -> re.Match:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while True:
+            ended = self.proc.poll() is not None
+            if ended:  # (what it wrote last: read to the end of its output)
+                for t in self._readers:
+                    t.join(timeout)
             m = re.search(pattern, self.out[name])
             if m:
                 return m
-            if self.proc.poll() is not None:
-                time.sleep(0.2)  # (what it wrote last)
+            if ended or time.monotonic() > deadline:
                 break
             time.sleep(0.02)
         raise AssertionError(f"no {pattern!r} in the script's {name}:\n{self.out['stdout']}\n{self.out['stderr']}")
@@ -80,7 +83,7 @@ class Script:
     def worker_pids(self) -> list[int]:
         return [int(p) for p in self.wait_for("stdout", r"PIDS ([\d ]+)\n").group(1).split()]
 
-    def finish(self, timeout: float = 20) -> int:
+    def finish(self, timeout: float = 30) -> int:
         try:
             rc = self.proc.wait(timeout)
         finally:
@@ -88,7 +91,7 @@ class Script:
                 self.proc.kill()
                 self.proc.wait()
         for t in self._readers:
-            t.join(5)
+            t.join(30)
         return rc
 
 
@@ -118,7 +121,7 @@ def _start(tmp_path, run_dir: str, ngpu: int, **env: str) -> tuple[Script, list[
 def _client(run_dir: str, *args: str) -> pexpect.spawn:
     return pexpect.spawn(
         sys.executable, ["-m", "monarch", "debug", *args], cwd=REPO, env=_env(run_dir), encoding="utf-8",
-        timeout=20, dimensions=(40, 200),
+        timeout=30, dimensions=(40, 200),
     )  # fmt: skip
 
 
@@ -239,7 +242,7 @@ def test_mistakes_get_a_clear_message_and_a_client_that_leaves_leaves_the_ranks_
                 "import socket, sys\n"
                 "s = socket.socket(socket.AF_UNIX)\n"
                 "try:\n    s.connect(sys.argv[1])\nexcept OSError as e:\n    print('REFUSED', type(e).__name__); raise SystemExit\n"
-                "s.settimeout(5)\nprint('GOT', repr(s.recv(100)))\n"
+                "s.settimeout(30)\nprint('GOT', repr(s.recv(100)))\n"
             )  # fmt: skip
             as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
             out = subprocess.run([*as_nobody, sys.executable, "-c", probe, sock], capture_output=True, text=True)
@@ -401,7 +404,7 @@ while not os.path.exists(sys.argv[1]):
     time.sleep(0.02)
 fut.interrupt()
 try:
-    fut.result(timeout=10)
+    fut.result(timeout=30)
 except BaseException as e:
     print("INTERRUPTED", type(e).__name__, flush=True)
 while not os.path.exists(sys.argv[1] + ".go-on"):

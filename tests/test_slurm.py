@@ -140,7 +140,7 @@ def test_a_kernel_restart_attaches_again_to_the_same_agents_with_fresh_workers(j
         assert "[host=0,gpu=1] node1" in text and "[host=1,gpu=0] node2" in text, text
         before = k.value("[row['pid'] for row in mesh.to_table().rows]")
         k.km.restart_kernel(now=False)
-        assert wait_gone(before, 10) == []  # the agents ended the old kernel's workers
+        assert wait_gone(before) == []  # the agents ended the old kernel's workers
         t0 = time.monotonic()
         assert k.run(spawn, timeout=60).status == "ok"
         print(f"kernel restarted: attach + spawn again on the same agents: {time.monotonic() - t0:.2f} s")
@@ -148,7 +148,7 @@ def test_a_kernel_restart_attaches_again_to_the_same_agents_with_fresh_workers(j
         assert set(after).isdisjoint(before)
         assert k.run("%%mesh mesh\nrank").status == "ok"
         k.km.shutdown_kernel(now=False)
-        assert wait_gone(after, 10) == []
+        assert wait_gone(after) == []
     assert [a.pid for a in job.dir.agents()] == agents  # the same agents throughout
 
 
@@ -164,10 +164,11 @@ def test_a_host_whose_link_goes_down_is_named_within_seconds_and_the_rest_works(
     cluster.link(1, up=False)  # no RST: packets just stop
     t0 = time.monotonic()
     try:
-        # Within seconds: the heartbeats notice (HEARTBEAT_TIMEOUT, 6 s), not the 60 s nap's end nor TCP's own
-        # timeouts; the wait's deadline says so (a call still waiting then raises TimeoutError, and fails).
+        # The heartbeats notice (HEARTBEAT_TIMEOUT, 6 s), not TCP's own timeouts (minutes; the nap's reply could
+        # not get through either); the wait's deadline says so (a call still waiting then raises TimeoutError,
+        # and fails), with room for a loaded machine.
         with pytest.raises(monarch.WorkerDiedError) as e:
-            fut.result(timeout=3 * HEARTBEAT_TIMEOUT)
+            fut.result(timeout=10 * HEARTBEAT_TIMEOUT)
         print(f"link down: the call raised after {time.monotonic() - t0:.1f} s")
         assert "host node2 (10.77.0.12)" in str(e.value) and "stopped answering" in str(e.value), str(e.value)
         assert whereabouts.on(local)().values()[0][2] == 0.0  # other meshes are untouched
@@ -212,17 +213,12 @@ def test_ctrl_c_while_reserve_waits_cancels_the_request(cluster):
     rest = p.communicate(timeout=30)[1]
     assert p.returncode == 130 and "monarch: the request was cancelled" in rest, (p.returncode, rest)
     assert "ctrlc" not in [j["name"] for j in monarch.notebook.list_jobs()]
-    deadline = time.monotonic() + 20
-    while not slurm.state(slurm_id).terminal and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert slurm.state(slurm_id).terminal  # scancel'ed
+    wait_for(lambda: slurm.state(slurm_id).terminal, 60, "the request scancel'ed")
 
     def new_ones() -> list[int]:
         return [p for h in range(2) for p in cluster.pids_in(h) if p not in before[h]]
 
-    while not _only_slurmd(new_ones()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _only_slurmd(new_ones())  # no agent left behind
+    wait_for(lambda: _only_slurmd(new_ones()), 60, "no agent left behind")
 
 
 def test_a_job_that_slurm_ends_is_reported_and_cleanup_leaves_nothing(cluster, tmp_path):
@@ -232,11 +228,11 @@ def test_a_job_that_slurm_ends_is_reported_and_cleanup_leaves_nothing(cluster, t
     agents = [a.pid for a in job.dir.agents()]
     slurm.cancel(job.meta["slurm_id"])  # ended from outside (scancel, a time limit, a preemption)
     with pytest.raises(monarch.WorkerDiedError, match=r"Slurm job \d+ was cancelled"):
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             whereabouts.on(mesh)()
             time.sleep(0.2)
-    assert wait_gone(pids + agents, 10) == []
+    assert wait_gone(pids + agents) == []
     with pytest.raises(RuntimeError, match=r"Slurm job \d+ was cancelled|no longer known to Slurm"):
         job.spawn_procs({"gpu": 1})
     monarch.notebook.cleanup("ended")
@@ -253,13 +249,13 @@ def test_a_call_running_when_its_job_is_cleaned_up_names_the_cleanup(cluster, tm
     wait_for(lambda: started(marker, 2), what="the nap on both hosts")
     monarch.notebook.cleanup("cut")
     with pytest.raises(monarch.MeshStoppedError) as e:
-        fut.result(timeout=10)
+        fut.result(timeout=30)
     assert (
         "stopped because its job 'cut' was cleaned up (monarch.notebook.cleanup) while ranks 0-1 still ran this call (nap)"
         in str(e.value)
     )
     assert "mesh.exit()" not in str(e.value)
-    assert wait_gone(pids, 15) == []
+    assert wait_gone(pids) == []
 
 
 @pytest.mark.timeout(300)
@@ -276,10 +272,7 @@ def test_the_slurm_notebook_runs(cluster, tmp_path):
     def new_ones() -> list[int]:
         return [p for h in range(2) for p in cluster.pids_in(h) if p not in before[h]]
 
-    deadline = time.monotonic() + 15
-    while not _only_slurmd(new_ones()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _only_slurmd(new_ones())  # the notebook's agents and workers are gone
+    wait_for(lambda: _only_slurmd(new_ones()), 60, "the notebook's agents and workers gone")
 
 
 def test_serve_on_slurm_runs_a_torchrun_script_across_hosts_and_job_load_reuses_them(cluster, tmp_path, monkeypatch):
@@ -317,7 +310,7 @@ def test_serve_on_slurm_runs_a_torchrun_script_across_hosts_and_job_load_reuses_
     finally:
         job.kill()
     assert name not in [j["name"] for j in monarch.notebook.list_jobs()]
-    assert wait_gone(agents, 15) == []
+    assert wait_gone(agents) == []
 
 
 def test_cleanup_cancels_the_slurm_job_and_every_process_goes(job, cluster):
@@ -326,11 +319,8 @@ def test_cleanup_cancels_the_slurm_job_and_every_process_goes(job, cluster):
     agents = [a.pid for a in job.dir.agents()]
     slurm_id = job.meta["slurm_id"]
     monarch.notebook.cleanup("scale")
-    assert wait_gone(pids + agents, 15) == []
-    deadline = time.monotonic() + 20
-    while not slurm.state(slurm_id).terminal and time.monotonic() < deadline:  # (COMPLETING for a moment)
-        time.sleep(0.2)
-    assert slurm.state(slurm_id).terminal
+    assert wait_gone(pids + agents) == []
+    wait_for(lambda: slurm.state(slurm_id).terminal, 60, "the Slurm job ended")  # (COMPLETING for a moment)
     assert all(cluster.pids_in(h) == [] or _only_slurmd(cluster.pids_in(h)) for h in range(2))
 
 

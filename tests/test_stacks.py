@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -17,8 +18,8 @@ import torch.distributed as dist
 import monarch
 from monarch.actor import this_host
 
-from conftest import wait_gone, worker_pids
-from helpers.kernel_client import monarch_kernel
+from conftest import wait_for, wait_gone, worker_pids
+from helpers.kernel_client import Result, monarch_kernel
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,7 +65,7 @@ def test_stacks_show_ranks_stuck_in_all_reduce_grouped_and_the_one_asleep():
         monarch.MeshStoppedError,
         match=r"was stopped \(mesh.exit\(\), %mesh restart or %mesh shutdown\) while ranks 0-3 still ran this call",
     ):
-        fut.result(timeout=10)
+        fut.result(timeout=30)
 
 
 @monarch.remote
@@ -110,17 +111,32 @@ def test_a_rank_whose_thread_holds_the_gil_is_read_from_outside_by_py_spy():
     assert wait_gone(pids) == []
 
 
-def test_the_notebook_says_which_ranks_wait_in_which_collective_and_who_lags(monkeypatch):
+def _reports(msgs: list[dict]) -> list[dict]:
+    """The hang reports among a cell's live per-rank output."""
+    return [it for it in Result("", msgs).custom_items() if it.get("s") == "stderr" and "monarch:" in it["t"]]
+
+
+def test_the_notebook_says_which_ranks_wait_in_which_collective_and_who_lags(monkeypatch, tmp_path):
     monkeypatch.setenv("MONARCH_HANG_REPORT", "2")
+    reported = tmp_path / "reported"
     with monarch_kernel() as k:
-        assert k.run("%%mesh gpu=4\nimport time, torch, torch.distributed as dist").status == "ok"  # (imports done)
-        cell = "%%mesh\nt = torch.ones(1)\nif rank == 1:\n    time.sleep(8)\n"
+        assert k.run("%%mesh gpu=4\nimport os, time, torch, torch.distributed as dist").status == "ok"  # (imports)
+        cell = "%%mesh\nt = torch.ones(1)\nif rank == 1:\n"
+        cell += f"    while not os.path.exists({str(reported)!r}): time.sleep(0.05)\n"
         cell += "dist.all_reduce(t)"
-        # The report does not hold the cell up: it ends with rank 1's 8 s nap, well within this deadline
-        # (the default MONARCH_HANG_REPORT, 30 s, would have said nothing in so short a cell).
-        r = k.run(cell, timeout=30)
+        msgs: list[dict] = []
+
+        def output(msg: dict) -> None:  # rank 1 lags until the report is shown, however long that takes
+            msgs.append(msg)
+            if _reports([msg]):
+                reported.touch()
+
+        # The report does not hold the cell up: it ends once rank 1 goes on (the default MONARCH_HANG_REPORT,
+        # 30 s, would have said nothing in so short a wait).
+        reply = k.kc.execute_interactive(cell, output_hook=output, timeout=60)["content"]
+        r = Result(reply["status"], msgs, reply)
         assert r.status == "ok", r.text()
-        live = [it for it in r.custom_items() if it.get("s") == "stderr" and "monarch:" in it["t"]]
+        live = _reports(r.msgs)
         assert [it["r"] for it in live] == [1], live  # shown in the lagging rank's area, while it ran
         said = live[0]["t"]
         assert "monarch: %%mesh cell has run " in said and "; for the last 2 s:" in said, said
@@ -135,33 +151,53 @@ def test_the_notebook_says_which_ranks_wait_in_which_collective_and_who_lags(mon
         assert "-- ranks 0-3:\n  MainThread: idle" in r.text(), r.text()
         pids = k.worker_pids()
         k.km.shutdown_kernel(now=False)
-    assert wait_gone(pids, 10) == []
+    assert wait_gone(pids) == []
 
 
 def test_the_periodic_stack_report_goes_to_stderr(tmp_path):
-    script = tmp_path / "report.py"
+    script, seen = tmp_path / "report.py", tmp_path / "seen"
     script.write_text(
         textwrap.dedent(
             """
-            import time
+            import os, sys, time
             import monarch
             from monarch.actor import this_host
 
             @monarch.remote
-            def nap():
-                time.sleep(2.5)
+            def nap(seen):
+                while not os.path.exists(seen):  # (until the test saw a report of it)
+                    time.sleep(0.05)
 
             mesh = this_host().spawn_procs({"gpu": 2})
-            nap.on(mesh)()
+            nap.on(mesh)(sys.argv[1])
             mesh.exit()
             """
         )
     )
     env = dict(os.environ, CONTROLLER_PYSPY_REPORT_INTERVAL="1")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, env=env)
-    assert out.returncode == 0, out.stderr
-    assert "monarch: stacks of mesh {gpu: 2}" in out.stderr, out.stderr
-    assert "-- ranks 0-1:\n  MainThread:\n" in out.stderr and "in nap\n        time.sleep(2.5)" in out.stderr
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(seen)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+    )
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: [err.append(line) for line in proc.stderr], daemon=True)
+    reader.start()
+
+    def reported() -> bool:  # (both ranks in the nap's sleep, in the same report)
+        text = "".join(err)
+        return "-- ranks 0-1:\n  MainThread:\n" in text and "in nap\n        time.sleep(0.05)" in text
+
+    try:
+        wait_for(reported, 60, "a report of both ranks in the nap")
+    finally:
+        seen.touch()
+        try:
+            proc.wait(60)
+        finally:
+            proc.kill()
+            reader.join(30)
+    text = "".join(err)
+    assert proc.returncode == 0, text
+    assert "monarch: stacks of mesh {gpu: 2}" in text, text
 
 
 def test_a_bad_report_interval_is_named():

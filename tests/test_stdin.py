@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, wait_for
 
 SCRIPT = textwrap.dedent(
     """
@@ -64,7 +64,6 @@ def test_two_waiting_threads_serve_one_prompt_at_a_time():
     """Two threads wait on calls that each ask for input: the prompts are answered one after the
     other, as a terminal or a notebook input box can only take one."""
     import threading
-    import time
 
     import monarch
     from monarch.actor import this_host
@@ -77,15 +76,17 @@ def test_two_waiting_threads_serve_one_prompt_at_a_time():
     m1, m2 = this_host().spawn_procs({"gpu": 1}), this_host().spawn_procs({"gpu": 1})
     ctl = get_controller()
     saved = ctl.stdin.prompt
-    open_now, most, lock = [0], [0], threading.Lock()
+    open_now, most, lock, typed = [0], [0], threading.Lock(), []
 
     def one_box(req):
         with lock:
             open_now[0] += 1
             most[0] = max(most[0], open_now[0])
-        time.sleep(0.3)  # the user typing
+        if not typed:  # the user typing, until the other call asks too (a box it opened meanwhile would count)
+            wait_for(lambda: ctl.stdin.waiting(), what="the other call's prompt, queued")
         with lock:
             open_now[0] -= 1
+            typed.append(req.rank)
         return "typed"
 
     ctl.stdin.prompt = one_box

@@ -344,11 +344,11 @@ def test_move_to_a_mesh_that_dies_before_taking_it_does_not_stall_the_sender(mes
         wait_for(lambda: waiting() == len(mesh), what="every sender waiting for its receiver")  # (its store key)
         os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(Exception, match="rank 1"):
-            busy.result(timeout=10)
+            busy.result(timeout=30)
         assert monarch.inspect(after).tolist() == [2.0, 2.0, 2.0]
         # the senders gave up because the controller marked the mesh gone (not after the group timeout)
         assert "the other mesh stopped or failed before it took its side of the move" in capfd.readouterr().err
-        assert wait_gone(pids, 5) == []
+        assert wait_gone(pids) == []
     finally:
         other.exit()
 
@@ -573,7 +573,7 @@ def test_a_deleted_handle_is_freed_on_the_workers_without_another_command(mesh):
     before = [_rss_kib(p) for p in pids]
     del big
     gc.collect()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not all(_rss_kib(p) < b - 100_000 for p, b in zip(pids, before)):
         time.sleep(0.05)
     assert all(_rss_kib(p) < b - 100_000 for p, b in zip(pids, before)), (before, [_rss_kib(p) for p in pids])
@@ -660,7 +660,7 @@ def test_reduce_on_a_split_view_and_fetch_shard(mesh):
         r = t.reduce(("pp", "tp"), "max")
     values = [monarch.inspect(t, dp=0, pp=p, tp=q) for p in range(2) for q in range(2)]
     fut = monarch.fetch_shard(r, dp=0, pp=1, tp=0)
-    assert torch.equal(fut.result(timeout=10), torch.stack(values).amax(0))  # a future of a local tensor
+    assert torch.equal(fut.result(timeout=30), torch.stack(values).amax(0))  # a future of a local tensor
     assert fut.done() and torch.equal(asyncio.run(_awaited(monarch.fetch_shard(r))), fut.result())
 
 
@@ -932,8 +932,8 @@ def test_a_live_call_is_not_held_back_by_a_collective_queued_on_a_stream(tmp_pat
         comms = monarch.Stream("comms")
         with pair.activate(), comms.activate():
             r = torch.ones(1).reduce("host", "sum")
-        send_to_rank1.on(pair.slice(host=0)).call_async().result(timeout=20)
-        assert waiting.result(timeout=20).values() == [42.0]
+        send_to_rank1.on(pair.slice(host=0)).call_async().result(timeout=30)
+        assert waiting.result(timeout=30).values() == [42.0]
         with comms.activate():
             assert monarch.inspect(r).tolist() == [2.0]
     finally:

@@ -55,7 +55,7 @@ class Counter(Actor):
 
     @endpoint
     def ask_myself(self) -> int:
-        return mine[0].get_value.call_one().get(timeout=5)
+        return mine[0].get_value.call_one().get(timeout=30)
 
     @endpoint
     async def await_myself(self) -> int:
@@ -63,7 +63,7 @@ class Counter(Actor):
 
     @endpoint
     def ask(self, other) -> int:
-        return other.get_value.call_one().get(timeout=10)
+        return other.get_value.call_one().get(timeout=30)
 
 
 class Errorful(Actor):
@@ -95,7 +95,7 @@ def test_monarchs_getting_started_code_runs_as_written(capsys):
 def test_the_adverbs_of_a_local_actor_mesh():
     c = this_proc().spawn("adverbs", Counter, initial_value=5)
     try:
-        values = c.get_value.call().get(timeout=10)
+        values = c.get_value.call().get(timeout=30)
         assert isinstance(values, ValueMesh) and values.values() == [5] and values.sizes == {}
         c.increment.broadcast(2)
         assert c.get_value.choose().get() == 7
@@ -144,7 +144,7 @@ def test_messages_run_in_the_order_sent():
         for b in range(10):
             c.increment.broadcast(100 + b)
         for f in futures:
-            f.get(timeout=10)
+            f.get(timeout=30)
         assert c.history.call_one().get() == [*range(1, 51), *range(100, 110)]
     finally:
         c.stop()
@@ -154,8 +154,8 @@ def test_one_local_actor_waiting_on_another_does_not_deadlock():
     a = this_proc().spawn("a", Counter, initial_value=1)
     b = this_proc().spawn("b", Counter, initial_value=2)
     try:
-        assert a.ask.call_one(b).get(timeout=10) == 2
-        assert b.ask.call_one(a).get(timeout=10) == 1
+        assert a.ask.call_one(b).get(timeout=30) == 2
+        assert b.ask.call_one(a).get(timeout=30) == 1
     finally:
         a.stop()
         b.stop()
@@ -167,8 +167,8 @@ def test_an_actor_waiting_for_its_own_answer_gets_an_error_not_a_hang():
     try:
         for endpoint_ in (c.ask_myself, c.await_myself):
             with pytest.raises(monarch.RemoteError, match=r"would wait for ever: selfish.get_value is a message to"):
-                endpoint_.call_one().get(timeout=10)
-        assert c.get_value.call_one().get(timeout=10) == 0  # it goes on
+                endpoint_.call_one().get(timeout=30)
+        assert c.get_value.call_one().get(timeout=30) == 0  # it goes on
     finally:
         mine.clear()
         c.stop()
@@ -240,5 +240,5 @@ def test_no_thread_is_left_after_stop():
     c = this_proc().spawn("threads", Counter, initial_value=0)
     c.get_value.call_one().get()
     c.stop()
-    wait_for(lambda: not any(t.name == "monarch-actor-threads" for t in threading.enumerate()), 10, "the thread's end")
+    wait_for(lambda: not any(t.name == "monarch-actor-threads" for t in threading.enumerate()), what="the thread's end")
     assert os.getpid()  # (the process goes on)

@@ -45,13 +45,13 @@ class AgentJob:
         return [p.pid for p in self.procs]
 
     def stop(self) -> list[int]:
-        """SIGTERM every agent (as scancel does); returns the pids of anything left after 10 s."""
+        """SIGTERM every agent (as scancel does); returns the pids of anything left after 30 s."""
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
         for p in self.procs:
             try:
-                p.wait(10)
+                p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
         left = wait_gone(self.pids, 5)

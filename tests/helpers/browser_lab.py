@@ -97,7 +97,7 @@ class Lab:
         self.log = tmp / "lab.log"
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 30.0) -> None:
+    def start(self, timeout: float = 60.0) -> None:
         argv = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={self.port}"]
         argv += [f"--IdentityProvider.token={self.token}", "--ServerApp.allow_root=True", "--ServerApp.port_retries=0"]
         argv += [

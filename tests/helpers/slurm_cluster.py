@@ -19,6 +19,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from conftest import wait_for
+
 BRIDGE = "mnbr0"
 NET = "10.77.0"
 CONTROLLER_ADDR = f"{NET}.1"
@@ -85,6 +87,7 @@ class Cluster:
         if _run("pgrep", "-x", "munged", check=False).returncode != 0:
             _run("runuser", "-u", "munge", "--", "/usr/sbin/munged")
             self._munged = True
+        wait_for((run / "munge.socket.2").exists, 60, "munged's socket")  # (before the daemons authenticate)
 
     def _config(self) -> None:
         d = self.dir
@@ -160,6 +163,8 @@ class Cluster:
         _run("ip", "link", "del", BRIDGE, check=False)
         if getattr(self, "_munged", False):
             _run("pkill", "-x", "munged", check=False)
+            # (gone, not just told to go: the next cluster's start would take a dying one for running)
+            wait_for(lambda: _run("pgrep", "-x", "munged", check=False).returncode != 0, 60, "munged's exit")
         shutil.rmtree(self.dir, ignore_errors=True)
 
     # -- helpers for tests ---------------------------------------------------------------------------
