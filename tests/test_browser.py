@@ -36,7 +36,7 @@ def lab(tmp_path, request):
     yield server
     pids = [server.proc.pid, *descendants(server.proc.pid)]  # kernel, fork server, workers (own session)
     server.stop()
-    left = {pid: cmdline(pid) for pid in wait_gone(pids, 10)}
+    left = {pid: cmdline(pid) for pid in wait_gone(pids)}
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -85,11 +85,16 @@ def browser_page(name: str, height: int = 1000, width: int = 1400):
 
 
 @pytest.mark.timeout(180)
-def test_mesh_cell_in_jupyterlab(lab):
+def test_mesh_cell_in_jupyterlab(lab, tmp_path):
+    gate = tmp_path / "gate"  # (the ranks wait at it until the test has looked at the live view)
     with browser_page("monarch_lab") as page:
         idle = open_notebook(page, lab)
 
-        source = '%%mesh gpu=4\nimport time\nprint(f"hello from rank {rank}", flush=True)\ntime.sleep(5)\nprint("bye")'
+        source = (
+            '%%mesh gpu=4\nimport os, time\nprint(f"hello from rank {rank}", flush=True)\n'
+            f"while not os.path.exists({str(gate)!r}):\n    time.sleep(0.05)\n"
+            'print("bye")'
+        )
         cell, _ = run_cell(page, 0, source, wait=False)
         # live: each rank's first line shows in its own area while the cell still runs
         for rank in range(4):
@@ -97,6 +102,7 @@ def test_mesh_cell_in_jupyterlab(lab):
             expect(area).to_contain_text(f"hello from rank {rank}", timeout=WAIT_MS)
         assert "bye" not in cell.locator(".jp-OutputArea").inner_text()
         expect(cell.locator(".jp-InputPrompt")).to_have_text("[*]:")
+        gate.touch()
         expect(cell.locator(".jp-InputPrompt")).to_have_text("[1]:", timeout=WAIT_MS)
         shown = f"cell {source!r} shows:\n{cell.locator('.jp-OutputArea').inner_text()}\n"
         # done: static areas, one per rank, each with its own lines only
@@ -116,7 +122,7 @@ def test_mesh_cell_in_jupyterlab(lab):
 
 
 RICH_CELL = r"""%%mesh gpu=2
-import sys, time
+import os, sys, time
 from IPython.display import Markdown, Math
 from tqdm import tqdm
 
@@ -126,7 +132,8 @@ display(Markdown(f"**rank {rank}** draws $y = x^{rank + 1}$"))
 display(Math(r"\int_0^1 x^{%d}\,dx = \frac{1}{%d}" % (rank + 1, rank + 2)))
 for _ in tqdm(range(20), mininterval=0, miniters=1, ascii=True, ncols=60):
     time.sleep(0.03)
-time.sleep(4)  # (the test looks at the live view meanwhile)
+while not os.path.exists(GATE):  # (the test looks at the live view meanwhile)
+    time.sleep(0.05)
 """
 
 # What the eye sees behind stderr's text: the backgrounds from its <pre> up to the first opaque one, laid over
@@ -162,11 +169,12 @@ def _red(colour: str) -> bool:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("lab", ["JupyterLab Dark"], indirect=True)
-def test_worker_output_renders_as_jupyter_renders_it(lab):
+def test_worker_output_renders_as_jupyter_renders_it(lab, tmp_path):
+    gate = tmp_path / "gate"
     with browser_page("monarch_lab_dark", height=1200) as page:
         open_notebook(page, lab)
         assert page.locator("body").get_attribute("data-jp-theme-name") == "JupyterLab Dark"
-        cell, _ = run_cell(page, 0, RICH_CELL, wait=False)
+        cell, _ = run_cell(page, 0, RICH_CELL.replace("GATE", repr(str(gate))), wait=False)
         outputs = cell.locator(".jp-OutputArea-output")
         # the start shows before anything else, while the workers start
         expect(outputs.first).to_contain_text("monarch: ", timeout=WAIT_MS)
@@ -187,6 +195,7 @@ def test_worker_output_renders_as_jupyter_renders_it(lab):
         expect(live_red).to_have_text("red text")
         assert _red(live_red.evaluate("e => getComputedStyle(e).color"))
         _assert_dark_error_background(stderr.first.evaluate(SEEN))
+        gate.touch()
 
         # ended: the static view, math typeset by JupyterLab's MathJax, the same rendering otherwise
         expect(cell.locator(".jp-InputPrompt")).to_have_text("[1]:", timeout=WAIT_MS)
@@ -353,7 +362,7 @@ def test_a_flood_keeps_the_cell_short_and_the_saved_notebook_small(lab):
         page.keyboard.press("Control+s")
         accept = page.locator(".jp-Dialog .jp-mod-accept")  # JupyterLab asks for a name on a first save
         with contextlib.suppress(sync_api.TimeoutError):
-            accept.wait_for(timeout=5000)
+            accept.wait_for(timeout=WAIT_MS)
             accept.click()
         saved = lab.tmp / "root" / "Untitled.ipynb"
         wait_for(lambda: saved.exists() and "line 04999" in saved.read_text(), 30, "the notebook's save")
