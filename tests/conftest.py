@@ -1,7 +1,14 @@
 import os
+import signal
 import time
 
 import pytest
+
+# A suite started in the background of a non-interactive shell inherits SIGINT ignored: Python then installs no
+# KeyboardInterrupt handler, and the processes it starts keep ignoring it. The Ctrl-C tests need what a terminal
+# gives: SIGINT raising KeyboardInterrupt, here and in the scripts the tests run.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pid_alive(pid: int) -> bool:

@@ -66,7 +66,7 @@ def test_groups_made_in_cells_are_named_as_torn_down(kernel: Kernel):
     assert kernel.run(made).status == "ok"
     r = kernel.run(FAILING_CELL, timeout=30)
     assert r.status == "error"
-    text = r.text()
+    text = " ".join(r.text().split())  # (as one line: the error is wrapped to fit an output area)
     assert "Process groups made in your code (dist.new_group, init_device_mesh, ...) were torn down with it: " in text
     assert "pair (ranks 0-1)" in text and "grid (a DeviceMesh)" in text, text
     assert "Make them again (run the code that made them)." in text
@@ -88,7 +88,7 @@ def test_a_rank_still_busy_is_named_before_the_next_cell_instead_of_waiting_for_
     assert r.status == "error"
     r = kernel.run("%%mesh\nrank", timeout=30)
     assert r.status == "error"
-    text = r.text()
+    text = " ".join(r.text().split())
     assert (
         "MeshBusyError" in text
         and "this cell was not started: rank 2 is still running an earlier call on mesh {gpu: 4}" in text
