@@ -190,12 +190,20 @@ def test_a_caller_polls_for_replies_only_while_its_workers_leave_a_cpu_free(mesh
         for _ in range(20):
             noop.on(mesh8)()
         assert receiver.polls == before, "the caller polled while its 8 workers had every CPU"
-        noop.on(mesh8.slice(gpu=0))()
-        assert receiver.polls > before, "a call to one worker with 7 CPUs to spare was not polled for"
+
+        def polled(call) -> bool:
+            # (a reply the background thread handled before the caller came to wait is not polled for, which a
+            # loaded machine makes likelier: one of many calls must poll)
+            for _ in range(100):
+                call()
+                if receiver.polls > before:
+                    return True
+            return False
+
+        assert polled(lambda: noop.on(mesh8.slice(gpu=0))()), "calls to one worker with 7 CPUs to spare polled not once"
         receiver.cpus = len(mesh8) + 1
         before = receiver.polls
-        noop.on(mesh8)()
-        assert receiver.polls > before, "the caller did not poll though a CPU was free beside its workers"
+        assert polled(lambda: noop.on(mesh8)()), "the caller never polled though a CPU was free beside its workers"
     finally:
         receiver.cpus = cpus
 
