@@ -26,6 +26,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from monarch.extension.cell import ArrivalLines, CellRun, RankAreas
 from monarch.extension.frontend import NotebookProgress, NotebookStdin, in_kernel, register_formatters
 from monarch.runtime.common import prose
+from monarch.runtime.common.load import ASK_WAIT
 
 _DIM = re.compile(r"^([A-Za-z_]\w*)=(.+)$")
 _NAME = re.compile(r"^[A-Za-z_][\w.]*$")
@@ -288,7 +289,7 @@ class MeshMagics(Magics):
         return getattr(self, f"_{name}")(view, rest)
 
     def _status(self, view: Any, rest: list[str]) -> Any:
-        return view.to_table(ask=0.3)  # busy ranks say where they are
+        return view.to_table(ask=ASK_WAIT)  # busy ranks say where they are
 
     def _stacks(self, view: Any, rest: list[str]) -> None:
         print(view.stacks())

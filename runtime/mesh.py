@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from monarch.runtime.common import load
 from monarch.runtime.common.groups import WORLD, ProcessGroupRef
 from monarch.runtime.common.mesh_trait import MeshTrait
 from monarch.runtime.common.shape import Shape, format_ranks
@@ -359,7 +360,7 @@ class ProcMesh(MeshTrait):
         sp = self._spawned
         if interrupted_only and not sp.abandoned:
             return
-        busy = self.busy(ask=0.3, interrupted_only=interrupted_only)
+        busy = self.busy(ask=load.ASK_WAIT, interrupted_only=interrupted_only)
         if not busy:
             return
         from monarch.runtime.common.errors import MeshBusyError

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from monarch.runtime.common import load
 from monarch.runtime.common.errors import Release, RemoteError, RemoteInterrupt, group_failures
 from monarch.runtime.common.shape import Shape
 from monarch.runtime.common.valuemesh import ValueMesh
@@ -15,7 +16,8 @@ from monarch.runtime.wire import codec, protocol
 
 T = TypeVar("T")
 INTERRUPT_GRACE = 0.6
-"""Seconds an interrupted call waits for the workers to say where they were."""
+"""Seconds an interrupted call waits for the workers to say where they were, on a quiet machine (stretched on a
+busy one: `load.stretched`)."""
 
 
 class Future(Generic[T]):
@@ -83,7 +85,7 @@ class Future(Generic[T]):
         controller = pending.mesh.controller
         controller.interrupt(pending)
         try:
-            controller.wait(pending, INTERRUPT_GRACE)
+            controller.wait(pending, load.stretched(INTERRUPT_GRACE))
         except BaseException:
             pass  # a worker that did not answer in time is reported as busy
         labels = pending.mesh.labels

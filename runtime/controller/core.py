@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from monarch.runtime import backends
-from monarch.runtime.common import log
+from monarch.runtime.common import load, log
 from monarch.runtime.common.config import Settings, settings
 from monarch.runtime.common.errors import MeshStoppedError, WorkerDiedError
 from monarch.runtime.common.shape import Shape, format_ranks
@@ -286,7 +286,7 @@ class Controller:
             self.send(mesh, None, protocol.ReformGroups(mesh.generation))
 
     def describe_busy(
-        self, mesh: SpawnedMesh, wait: float = 0.3, only: PendingCall | None = None
+        self, mesh: SpawnedMesh, wait: float = load.ASK_WAIT, only: PendingCall | None = None
     ) -> list[tuple[PendingCall, list[int]]]:
         """The calls of `mesh` (or just `only`) still running, with their busy ranks; asks those ranks what
         they are doing (their fresh answers land in each call's `busy`, within `wait` seconds)."""
@@ -298,8 +298,14 @@ class Controller:
                 p.busy.pop(r, None)  # (an earlier answer would pass for this one)
             mesh.backend.control(mesh.mesh_id, tuple(ranks), p.call_id, protocol.Control.REPORT)
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and any(r not in p.busy for p, ranks in running for r in ranks):
-            time.sleep(0.01)
+        pause = 0.001
+        while (
+            time.monotonic() < deadline
+            and mesh.state == "running"
+            and any(r not in p.busy and r not in p.replies for p, ranks in running for r in ranks)
+        ):
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
         return running
 
     # -- where ranks are ----------------------------------------------------------------------------
@@ -377,7 +383,7 @@ class Controller:
                 time.sleep(HANG_EVERY)
             if mesh.state != "running" or pending.future.done():
                 return
-            asked = self.describe_busy(mesh, 0.5, only=pending)
+            asked = self.describe_busy(mesh, only=pending)
             if not asked:
                 return
             busy = asked[0][1]

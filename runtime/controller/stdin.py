@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from monarch.runtime.common import load
 from monarch.runtime.wire import protocol
 
 if TYPE_CHECKING:
@@ -40,7 +41,8 @@ class InputRequest:
 
 RESUME_COMMANDS = frozenset({"c", "cont", "continue", "q", "quit", "exit"})
 OWNER_GRACE = 1.0
-"""Seconds a debugged rank keeps the prompt after a command, before other paused ranks are served."""
+"""Seconds a debugged rank keeps the prompt after a command, before other paused ranks are served (on a quiet
+machine; stretched on a busy one: `load.stretched`)."""
 
 
 def terminal_input(req: InputRequest) -> str:
@@ -132,7 +134,7 @@ class StdinService:
                 if (req.mesh.mesh_id, req.rank) == owner:
                     queue.remove(req)
                     return req
-            if time.monotonic() - self._owner_since < OWNER_GRACE:
+            if time.monotonic() - self._owner_since < load.stretched(OWNER_GRACE):
                 return None
             self._owner = None
         return queue.popleft() if queue else None

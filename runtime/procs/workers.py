@@ -153,12 +153,13 @@ class WorkerProcs:
         with self.changed:
             group.control_seq += 1
             seq = group.control_seq
-        for r in ranks:
-            p = group.procs.get(r)
-            if p is None:
-                continue
+        # Every request is written before any rank is woken: a rank released first shuts connections its
+        # peers' collectives then fail on, and each peer must find its own request already there.
+        asked = [(r, p) for r in ranks if (p := group.procs.get(r)) is not None]
+        for r, _ in asked:
+            struct.pack_into("<qqq", group.targets, protocol.SLOT * r + 8, seq, call_id, kind)
+        for _, p in asked:
             try:
-                struct.pack_into("<qqq", group.targets, protocol.SLOT * r + 8, seq, call_id, kind)
                 os.kill(p.pid, signal.SIGUSR1)
             except (ProcessLookupError, ValueError):
                 pass

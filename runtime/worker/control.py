@@ -28,6 +28,7 @@ from types import CodeType, FrameType, TracebackType
 from typing import Any
 
 from monarch.runtime.common import log
+from monarch.runtime.common.errors import PEER_GONE
 from monarch.runtime.common.stacks import thread_stacks, where
 from monarch.runtime.wire import protocol
 
@@ -39,6 +40,9 @@ anywhere: tuple[int, str] | None = None
 """(call id, what it runs) of a call whose every wait is on its peers, wherever its main thread is (a torchrun
 script run by `SPMDActor.main`: DDP waits in C++, with no torch.distributed frame on the stack): asked to
 RELEASE, it is released from wherever it is, as torchrun ends every rank when one fails."""
+PEER_WAIT = 10.0
+"""Seconds a rank whose collective failed on a closed connection waits for the controller to say it was released
+(it comes at once; the bound is reached only where the peer really died, which the controller tells anyway)."""
 
 
 def block_signal() -> None:
@@ -54,6 +58,7 @@ class Control:
         self.offset = protocol.SLOT * worker.rank + 8
         self.seen = 0
         self.main = threading.main_thread().ident
+        self._claim = threading.Lock()
         threading.Thread(target=self._loop, name="monarch-control", daemon=True).start()
 
     def _loop(self) -> None:
@@ -85,29 +90,40 @@ class Control:
             if groups.current is not None:
                 groups.current.release_generation(call_id)
             return
+        # The groups' generation before the call is seen running: the main thread re-forms them only after
+        # the call ended here, so while it runs this is the call's (a release that comes late must not
+        # break the groups re-formed since).
+        generation = groups.current.generation if groups.current is not None else 0
         if call_id and w.call_id != call_id:
             return  # that call is over here (the request crossed its reply)
         collective, where = describe(sys._current_frames().get(self.main))
         if kind == protocol.Control.RELEASE and not collective and anywhere is not None and anywhere[0] == call_id:
             collective = anywhere[1]
-        if kind == protocol.Control.RELEASE and collective and w.released is None and groups.current is not None:
-            self._release(call_id, collective, where)
-        else:
+        released = kind == protocol.Control.RELEASE and collective and groups.current is not None
+        if not (released and self._release(call_id, collective, where, generation)):
             w.send(protocol.Busy(w.call_id, where, collective))
 
-    def _release(self, call_id: int, collective: str, where: str) -> None:
+    def _release(self, call_id: int, collective: str, where: str, generation: int) -> bool:
+        """Release this rank from `collective`, once per call: the control thread and the main thread
+        (`claim_release`) may both come here. False where the other already did."""
         from monarch.runtime.worker import groups
 
-        self.worker.released = (collective, where)
+        with self._claim:
+            if self.worker.released is not None:
+                return False
+            self.worker.released = (collective, where)
         _log.info("call %d: released from %s at %s (another rank failed)", call_id, collective, where)
         # said before it is done: the call's reply (its collective raises at once) must come after this
         self.worker.send(protocol.Released(call_id, collective, where, name_groups(groups.current.users())))
-        groups.current.release()
+        groups.current.release_generation(generation)
+        return True
 
-    def claim_release(self, call_id: int, error: BaseException, wait: float = 0.2) -> bool:
+    def claim_release(self, call_id: int, error: BaseException, wait: float = PEER_WAIT) -> bool:
         """The main thread's call failed in a collective: if the controller asked this rank to leave it (a
         peer, released first, shut its connections before this rank's control thread ran), it was released,
-        not failed. Waits up to `wait` seconds for the request (the controller asks every busy rank at once)."""
+        not failed. A collective that failed because a peer's connection closed waits for the request (the
+        controller asks every busy rank in one step; across hosts it comes through each host's agent) up to
+        `wait` seconds, which only a peer that really died uses up; any other error is this rank's own."""
         from monarch.runtime.worker import groups
 
         collective, where = describe_traceback(error.__traceback__)
@@ -115,15 +131,17 @@ class Control:
             collective = anywhere[1]
         if not collective or self.worker.released is not None or groups.current is None:
             return False
-        deadline = time.monotonic() + wait
+        generation = groups.current.generation
+        deadline = time.monotonic() + (wait if PEER_GONE.search(str(error)) else 0.0)
+        pause = 0.001
         while True:
             _, asked, kind = _REQUEST.unpack_from(self.slots, self.offset)
             if asked == call_id and kind == protocol.Control.RELEASE:
-                self._release(call_id, collective, where)
-                return True
-            if time.monotonic() > deadline:
+                return self._release(call_id, collective, where, generation) or self.worker.released is not None
+            if time.monotonic() >= deadline:
                 return False
-            time.sleep(0.005)
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
 
 
 def name_groups(made: list[Any]) -> list[str]:
