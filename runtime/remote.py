@@ -176,6 +176,7 @@ class RemoteFunction(Adverbs[Any, Any]):
                     no_stdin,
                     output,
                     name or self.__name__,
+                    torch=not (isinstance(fn, _Named) and fn.__module__ in _WITHOUT_TORCH),
                 )
             have.update(shape.ranks)
         future: Future = Future(pending, shape, name or self.__name__)
@@ -190,6 +191,20 @@ class RemoteFunction(Adverbs[Any, Any]):
     def by_name(cls, module: str, qualname: str, mesh: ProcMesh) -> RemoteFunction:
         """A function the workers import by name (worker-side code the controller must not import)."""
         return cls(_named(module, qualname), mesh)
+
+
+_WITHOUT_TORCH = frozenset(
+    {
+        "monarch.runtime.worker.actors",
+        "monarch.runtime.worker.rdma",
+        "monarch.runtime.worker.bootstrap",
+        "monarch.runtime.worker.workspace",
+        "monarch.runtime.worker.command",
+        "time",
+    }
+)
+"""Worker modules whose functions run without torch set up (actors, their buffers, a process's set-up): calling
+them does not make a mesh of a program without torch set it up (`Controller.ready_torch`)."""
 
 
 class _Named:

@@ -25,7 +25,14 @@ from monarch.runtime.common.errors import exit_cause
 from monarch.runtime.common.processes import proc_state as _proc_state
 from monarch.runtime.common.processes import usable_cores
 from monarch.runtime.common.shape import Shape
-from monarch.runtime.procs.workers import WorkerProcs, clean_stale_dirs, fork_server, fork_server_pid, private_dir
+from monarch.runtime.procs.workers import (
+    WorkerProcs,
+    clean_stale_dirs,
+    fork_server,
+    fork_server_pid,
+    private_dir,
+    torch_server_started,
+)
 from monarch.runtime.wire import protocol
 from monarch.runtime.wire.controller_end import ControllerTransport, PeerStalled
 from monarch.runtime.wire.protocol import Control
@@ -101,7 +108,11 @@ class LocalBackend(Backend):
         self, mesh_id: int, shape: Shape, labels: list[str], progress: Callable[[int], None] | None = None
     ) -> list[dict]:
         n = len(shape)
-        fork_server()  # starts it: it imports torch while we carry on
+        # Workers set torch up at start where the program uses torch (it imported it, or runs cells: IPython, a
+        # kernel, whose fork server imports torch as it starts); a program that has not runs actors, which
+        # answer sooner without it (torch is set up on the first message that needs it).
+        torch = "torch" in sys.modules or "IPython" in sys.modules or torch_server_started()
+        fork_server(torch)  # starts it: it imports torch (if it does) while we carry on
         keys = self.transport.add_mesh(mesh_id, n, lanes=True)
         mesh = _Mesh(shape, labels)
         self.meshes[mesh_id] = mesh
@@ -116,8 +127,8 @@ class LocalBackend(Backend):
                 wenv = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n))
                 cfg = protocol.WorkerStart(
                     keys[rank], coords, shape.size_dict, rank, labels[rank], path, wenv, os.getcwd(), list(sys.path),
-                    threads, fork_server_pid(), os.getpid(), self.settings.group_timeout, self.settings.worker_nice,
-                    spin,
+                    threads, fork_server_pid(torch), os.getpid(), self.settings.group_timeout,
+                    self.settings.worker_nice, spin, torch,
                 )  # fmt: skip
                 self.procs.fork(mesh_id, rank, cfg)
             exits = lambda: {r: exit_cause(c) for r, c in self.procs.exited(mesh_id).items()}  # noqa: E731

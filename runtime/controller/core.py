@@ -53,6 +53,9 @@ _log = log.get("controller")
 DEBUG = logging.DEBUG
 
 
+_NEEDS_TORCH = (protocol.MakeGroups, protocol.RunOps, protocol.ReformGroups)
+"""What a worker that has not set torch up cannot run (a `Call` says so itself: `Controller.call`)."""
+
 STOPPED_BY_USER = "(mesh.exit(), %mesh restart or %mesh shutdown)"
 """What stopped a mesh, unless told otherwise."""
 
@@ -76,6 +79,7 @@ class Controller:
         self.listeners: list[Callable[[SpawnedMesh], None]] = []
         """Called (on any thread) when a mesh's workers change state: busy, idle, failed, stopped."""
         self._ids = itertools.count(1)
+        self._torch_lock = threading.Lock()
         self._mesh_ids = itertools.count(0)
         self._spawn_lock = threading.Lock()
         self._closed = False
@@ -109,6 +113,7 @@ class Controller:
         started = time.monotonic()
         try:
             mesh.info = mesh.backend.start(mesh_id, shape, labels, progress.update)
+            mesh.torch_ready = all(i.get("torch", True) for i in mesh.info)
         except BaseException as e:
             self.meshes.pop(mesh_id, None)
             progress.finish(e)
@@ -172,9 +177,21 @@ class Controller:
     ) -> None:
         """Send a `protocol` message to `ranks` of `mesh` (None or every rank: all) without waiting (after the
         broadcasts queued for the mesh)."""
+        if not mesh.torch_ready and type(message) in _NEEDS_TORCH:
+            self.ready_torch(mesh)
         if self.casts.pending and mesh.mesh_id in self.casts.pending:
             self.casts.flush(mesh.mesh_id)
         self._send_now(mesh, ranks, message, body)
+
+    def ready_torch(self, mesh: SpawnedMesh) -> None:
+        """Have the workers of `mesh` set torch up, if they have not (a mesh of a program that had not imported
+        torch): sent once, before the first message that needs it, and before any other thread's."""
+        with self._torch_lock:
+            if mesh.torch_ready:
+                return
+            _log.info("mesh %d: its workers set torch up (first use)", mesh.mesh_id)
+            self._send_now(mesh, None, protocol.ReadyTorch(), None)
+            mesh.torch_ready = True
 
     def _send_now(
         self, mesh: SpawnedMesh, ranks: tuple[int, ...] | None, message: Any, body: list[bytes | memoryview] | None
@@ -196,10 +213,14 @@ class Controller:
         no_stdin: str | None = None,
         output: Callable[[OutputEvent], None] | None = None,
         name: str = "",
+        torch: bool = True,
     ) -> PendingCall:
-        """Start a call on `ranks`: `message_for(call_id)` gives its message and body. Its future resolves
-        to ``{rank: envelope of its Reply}``."""
+        """Start a call on `ranks`: `message_for(call_id)` gives its message and body (`torch`: whether what it
+        runs needs torch set up: everything but the runtime's own actor functions). Its future resolves to
+        ``{rank: envelope of its Reply}``."""
         mesh.check_usable(ranks)
+        if torch and not mesh.torch_ready:
+            self.ready_torch(mesh)
         call_id = next(self._ids)
         pending = PendingCall(
             call_id, mesh, ranks, concurrent.futures.Future(), no_stdin=no_stdin, output=output, name=name,

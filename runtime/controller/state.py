@@ -38,7 +38,10 @@ class SpawnedMesh:
     backend: Backend
     """What runs its workers: the local backend, a job's host agents, or the simulator."""
     info: list[dict[str, Any]] = field(default_factory=list)
-    """Per rank: ``{"pid", "host", "device"}``."""
+    """Per rank: ``{"pid", "host", "device", "torch"}``."""
+    torch_ready: bool = True
+    """Whether its workers have set torch up (they did at start, or were sent `ReadyTorch`); False for a mesh
+    of a program that had not imported torch, until something needs it (`Controller.ready_torch`)."""
     state: str = "starting"
     """starting, running, failed, stopping or stopped."""
     failure: WorkerDiedError | None = None

@@ -3,7 +3,9 @@ stopped. Used by the local backend (this machine's meshes) and by the host agent
 job's meshes).
 
 A second mesh starts in a fraction of a second because the fork server (the standard library's
-`multiprocessing` forkserver, preloading the worker module) has torch imported already. A monitor thread
+`multiprocessing` forkserver, preloading the worker module) has torch imported already. A program that has not
+imported torch (actors only, as Monarch's examples) gets its workers from a second fork server that has not
+either: they answer at once, and import torch only when something needs it (`WorkerStart.torch`). A monitor thread
 watches each worker's process sentinel (a dead worker is noticed at once, not by heartbeat) and checks
 every half second that no worker is frozen (stopped by SIGSTOP). Interrupts and control requests reach a
 worker through its record in a shared file of slots, then a signal.
@@ -108,7 +110,7 @@ class WorkerProcs:
 
     def fork(self, mesh_id: int, rank: int, cfg: Any) -> int:
         """Start the worker `cfg` (a `protocol.WorkerStart`) describes; returns its pid."""
-        process_cls = fork_server()
+        process_cls = fork_server(cfg.torch)
         p = process_cls(target=codec.call_function, args=(*ENTRY, cfg), name=f"monarch-{mesh_id}-{rank}")
         p.start()
         multiprocessing.process._children.discard(p)  # we reap it, via its sentinel
@@ -360,18 +362,35 @@ def clean_stale_dirs(root: str | None = None) -> list[str]:
 _mp_dir: str | None = None
 
 
-def fork_server() -> type[_WorkerProcess]:
+_light: multiprocessing.forkserver.ForkServer | None = None
+"""The fork server without torch (started on first use)."""
+
+
+def fork_server(torch: bool = True) -> type[_WorkerProcess]:
     """Start the fork server (once per process), its address in a directory of ours; returns the process
-    class that forks from it. It imports torch while the caller carries on."""
-    global _mp_dir
+    class that forks from it. It imports torch while the caller carries on. With `torch` False: the one that
+    does not import torch (`preload_light`)."""
+    global _mp_dir, _light
     config = multiprocessing.process.current_process()._config
     if config.get("tempdir") is None:  # else the program set multiprocessing up itself: its directory
         _mp_dir = config["tempdir"] = private_dir("monarch-mp-")
         atexit.register(shutil.rmtree, _mp_dir, True)
+    if not torch:
+        with _prep_lock:
+            if _light is None:
+                _light = multiprocessing.forkserver.ForkServer()
+                _light.set_forkserver_preload(["monarch.runtime.worker.preload_light", *_for_cells()])
+            _light.ensure_running()
+        return _LightWorkerProcess
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["monarch.runtime.worker.preload", *_for_cells()])
     multiprocessing.forkserver.ensure_running()
     return _WorkerProcess
+
+
+def torch_server_started() -> bool:
+    """Whether the fork server that imports torch was started (a kernel starts it as it starts)."""
+    return fork_server_pid() is not None
 
 
 def _for_cells() -> list[str]:
@@ -397,8 +416,9 @@ def _count_gpus() -> None:
     sys.exit(min(torch.cuda.device_count(), 255) if torch.cuda.is_available() else 0)  # (as the exit code)
 
 
-def fork_server_pid() -> int | None:
-    return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+def fork_server_pid(torch: bool = True) -> int | None:
+    server = multiprocessing.forkserver._forkserver if torch else _light
+    return getattr(server, "_forkserver_pid", None)
 
 
 def _prep_without_main(name):
@@ -425,11 +445,31 @@ class _Popen(multiprocessing.popen_forkserver.Popen):
                 multiprocessing.spawn.get_preparation_data = _get_preparation_data
 
 
+class _LightPopen(_Popen):
+    """Forks from the fork server without torch."""
+
+    def _launch(self, process_obj):
+        assert _light is not None
+        with _prep_lock:  # (the standard library's Popen asks the module's server; here, ours)
+            multiprocessing.forkserver.connect_to_new_process = _light.connect_to_new_process
+            try:
+                super()._launch(process_obj)
+            finally:
+                multiprocessing.forkserver.connect_to_new_process = _connect
+
+
 class _WorkerProcess(multiprocessing.context.ForkServerProcess):
     @staticmethod
     def _Popen(process_obj):
         return _Popen(process_obj)
 
 
+class _LightWorkerProcess(multiprocessing.context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        return _LightPopen(process_obj)
+
+
 _get_preparation_data = multiprocessing.spawn.get_preparation_data
-_prep_lock = threading.Lock()
+_connect = multiprocessing.forkserver.connect_to_new_process
+_prep_lock = threading.RLock()

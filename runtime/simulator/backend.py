@@ -245,7 +245,7 @@ class SimBackend(Backend):
 HANDLED = (P.RunOps, P.MakeGroups, P.Call)
 """What a simulated mesh models; `SimBackend.send` answers anything else with an error (`tests/test_wire_tags.py`
 checks that every message the controller sends is one or the other)."""
-IGNORED = (P.StdinReply, P.Exit, P.ReformGroups, P.Cast)
+IGNORED = (P.StdinReply, P.Exit, P.ReformGroups, P.Cast, P.ReadyTorch)
 """What needs nothing from a simulated mesh: no simulated call asks for input, `stop` ends the mesh, a
 broadcast to actors answers nothing (and a simulated mesh runs no actor code), and no
 simulated rank is ever released from a collective (so groups are never torn down to re-form)."""

@@ -45,6 +45,13 @@ PEER_WAIT = 10.0
 (it comes at once; the bound is reached only where the peer really died, which the controller tells anyway)."""
 
 
+def _groups() -> Any:
+    """This worker's process groups (`groups.current`), or None (torch not set up here: a worker that has run
+    only actors)."""
+    module = sys.modules.get("monarch.runtime.worker.groups")
+    return module.current if module is not None else None
+
+
 def block_signal() -> None:
     """Block SIGUSR1 in this thread and every thread it starts later (call first thing in a worker):
     only the control thread takes it."""
@@ -74,8 +81,7 @@ class Control:
                 traceback.print_exc()
 
     def _handle(self, call_id: int, kind: int) -> None:
-        from monarch.runtime.worker import groups
-
+        groups = _groups()
         w = self.worker
         if kind == protocol.Control.STACKS:  # (its "call id" is the request's number)
             threads = thread_stacks(skip=threading.get_ident())
@@ -87,35 +93,34 @@ class Control:
             w.send(protocol.Stacks(call_id, threads))
             return
         if kind == protocol.Control.DISCONNECT:  # (its "call id" is the groups' generation the request is for)
-            if groups.current is not None:
-                groups.current.release_generation(call_id)
+            if groups is not None:
+                groups.release_generation(call_id)
             return
         # The groups' generation before the call is seen running: the main thread re-forms them only after
         # the call ended here, so while it runs this is the call's (a release that comes late must not
         # break the groups re-formed since).
-        generation = groups.current.generation if groups.current is not None else 0
+        generation = groups.generation if groups is not None else 0
         if call_id and w.call_id != call_id:
             return  # that call is over here (the request crossed its reply)
         collective, where = describe(sys._current_frames().get(self.main))
         if kind == protocol.Control.RELEASE and not collective and anywhere is not None and anywhere[0] == call_id:
             collective = anywhere[1]
-        released = kind == protocol.Control.RELEASE and collective and groups.current is not None
+        released = kind == protocol.Control.RELEASE and collective and groups is not None
         if not (released and self._release(call_id, collective, where, generation)):
             w.send(protocol.Busy(w.call_id, where, collective))
 
     def _release(self, call_id: int, collective: str, where: str, generation: int) -> bool:
         """Release this rank from `collective`, once per call: the control thread and the main thread
         (`claim_release`) may both come here. False where the other already did."""
-        from monarch.runtime.worker import groups
-
+        groups = _groups()
         with self._claim:
             if self.worker.released is not None:
                 return False
             self.worker.released = (collective, where)
         _log.info("call %d: released from %s at %s (another rank failed)", call_id, collective, where)
         # said before it is done: the call's reply (its collective raises at once) must come after this
-        self.worker.send(protocol.Released(call_id, collective, where, name_groups(groups.current.users())))
-        groups.current.release_generation(generation)
+        self.worker.send(protocol.Released(call_id, collective, where, name_groups(groups.users())))
+        groups.release_generation(generation)
         return True
 
     def claim_release(self, call_id: int, error: BaseException, wait: float = PEER_WAIT) -> bool:
@@ -124,14 +129,13 @@ class Control:
         not failed. A collective that failed because a peer's connection closed waits for the request (the
         controller asks every busy rank in one step; across hosts it comes through each host's agent) up to
         `wait` seconds, which only a peer that really died uses up; any other error is this rank's own."""
-        from monarch.runtime.worker import groups
-
+        groups = _groups()
         collective, where = describe_traceback(error.__traceback__)
         if not collective and anywhere is not None and anywhere[0] == call_id:
             collective = anywhere[1]
-        if not collective or self.worker.released is not None or groups.current is None:
+        if not collective or self.worker.released is not None or groups is None:
             return False
-        generation = groups.current.generation
+        generation = groups.generation
         deadline = time.monotonic() + (wait if PEER_GONE.search(str(error)) else 0.0)
         pause = 0.001
         while True:

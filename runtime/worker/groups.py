@@ -50,7 +50,11 @@ class Groups:
         self._reforming = threading.Lock()
         self.handed_over = False
         """The default group was given up to code that makes its own (`setup_torch_elastic_env`)."""
-        self._init(0)
+        if dist.is_initialized():  # code run here made its own already (torchrun-style, before torch was set up)
+            self.prefix, self.by_id, self.handed_over = "", {}, True
+            self._stream_copies, self._pairs, self._links, self._local = {}, {}, {}, {}
+        else:
+            self._init(0)
         shared.resolver = self.resolve
 
     def _init(self, generation: int) -> None:

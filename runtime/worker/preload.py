@@ -1,9 +1,13 @@
-"""Imported once by the fork server, so that workers forked from it start in milliseconds."""
+"""Imported once by the fork server, so that workers forked from it start in milliseconds: the worker, torch
+and what sets torch up (`worker.setup_torch`)."""
 
 import atexit
 import os
 
-from monarch.runtime.worker import worker  # noqa: F401  (imports torch and everything a worker runs)
+import torch  # noqa: F401
+
+from monarch.runtime.worker import groups, worker  # noqa: F401
+from monarch.runtime.worker.engine import commands, streams  # noqa: F401
 from monarch.runtime.worker.main import name_process
 
 name_process(f"monarch fork server (controller {os.getppid()})", "monarch forksrv")

@@ -1,7 +1,9 @@
 """The worker process: one per mesh point. Serves the controller's messages through a handler table.
 
-The fork server imports this module (and so torch) once; a worker forked from it is ready in
-milliseconds. `main.run` is the process entry point.
+The fork server imports this module once (and torch, unless the mesh's program has not imported it: see
+`WorkerStart.torch`); a worker forked from it is ready in milliseconds. `main.run` is the process entry point.
+Torch and the process groups are set up in `setup_torch`, at start or on the controller's `ReadyTorch`: this
+module and those it imports at the top never import torch.
 """
 
 from __future__ import annotations
@@ -23,18 +25,15 @@ import traceback
 from typing import Any
 
 import cloudpickle
-import torch
 
 from monarch.runtime.common import context, errors, log, ports
 from monarch.runtime.common.shape import Shape
 from monarch.runtime.wire import codec, protocol
 from monarch.runtime.wire.store import store_client
 from monarch.runtime.wire.worker_end import WorkerTransport
-from monarch.runtime.worker import actors, groups, stdin
+from monarch.runtime.worker import actors, stdin
 from monarch.runtime.worker.control import Control
 from monarch.runtime.worker.describe import describe
-from monarch.runtime.worker.engine import commands as engine
-from monarch.runtime.worker.engine import streams
 from monarch.runtime.worker.output import Output
 
 _log = log.get("worker")
@@ -50,6 +49,7 @@ HANDLERS: dict[type, str] = {
     protocol.StdinReply: "_late_stdin",
     protocol.ReformGroups: "_reform_groups",
     protocol.Cast: "_cast",
+    protocol.ReadyTorch: "_ready_torch",
 }
 """A worker's handler per message type (`Exit` ends its loop); anything else is answered by `_unsupported`."""
 
@@ -83,6 +83,10 @@ class Worker:
         self.main_thread = threading.get_ident()
         """The thread that serves messages (actors' sockets belong to it)."""
         self.handlers = {kind: getattr(self, name) for kind, name in HANDLERS.items()}
+        self.streams: Any = None
+        """The tensor engine's streams module, once torch is set up here (`setup_torch`)."""
+        self.engine: Any = None
+        """The tensor engine's commands module, likewise."""
         self._debug = _log.isEnabledFor(logging.DEBUG)
         signal.signal(signal.SIGINT, self._on_sigint)
         global current
@@ -114,6 +118,27 @@ class Worker:
     # -- start-up ----------------------------------------------------------------------------------
     def _start(self) -> None:
         cfg = self.cfg
+        context.worker = context.WorkerInfo(self.rank, cfg.coords, cfg.sizes, cfg.local_rank, "cpu", self.mesh_id)
+        context.view = context.CallView(dict(cfg.coords), dict(cfg.sizes))
+        if cfg.torch:
+            self.setup_torch()
+        else:  # torch, if the actors import it, starts with the threads it would have been given
+            os.environ.setdefault("OMP_NUM_THREADS", str(cfg.threads))
+            if os.path.isdir("/proc/driver/nvidia/gpus"):
+                context.worker.device = "not set (torch not loaded)"
+        device = context.worker.device
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "device": str(device), "torch": cfg.torch}
+        self.transport.hello(protocol.Ready(info))
+
+    def setup_torch(self) -> None:
+        """Import torch and set it up as a fresh process of this worker's would be: its threads, an RNG of
+        its own, its GPU, the mesh's default process group (with every other worker of the mesh)."""
+        import torch
+
+        from monarch.runtime.worker import groups
+        from monarch.runtime.worker.engine import commands, streams
+
+        cfg = self.cfg
         torch.set_num_threads(cfg.threads)
         torch.seed()  # forked workers share the fork server's RNG state; give each its own, as a fresh process has
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -131,12 +156,17 @@ class Worker:
                     f"(spawn at most {gpus} per host to give each its own GPU)",
                     file=sys.stderr,
                 )
-        context.worker = context.WorkerInfo(self.rank, cfg.coords, cfg.sizes, cfg.local_rank, device, self.mesh_id)
-        context.view = context.CallView(dict(cfg.coords), dict(cfg.sizes))
+        assert context.worker is not None
+        context.worker.device = device
         store = store_client(self.transport, datetime.timedelta(seconds=cfg.group_timeout))
         groups.current = groups.Groups(store, self.mesh_id, self.rank, cfg.sizes, cfg.group_timeout, backend)
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "device": str(device)}
-        self.transport.hello(protocol.Ready(info))
+        self.streams, self.engine = streams, commands
+
+    def _ready_torch(self, env: codec.Envelope) -> None:
+        if self.streams is None:
+            self.setup_torch()
+            _log.info("torch set up (the controller's first message that needs it)")
+        self.output.flush()
 
     def run(self) -> None:
         try:
@@ -187,14 +217,18 @@ class Worker:
         self.transport.send(protocol.Reply(call_id, False), codec.dumps(protocol.ErrorInfo("TypeError", why, "")))
 
     def _make_groups(self, env: codec.Envelope) -> None:
+        from monarch.runtime.worker import groups
+
         groups.current.create(env.message.gid, env.message.partition)
         self.output.flush()  # what it printed belongs to no call: send it before the next one starts
 
     def _run_ops(self, env: codec.Envelope) -> None:
-        engine.run_packed(codec.loads(env.body, env.buffers))
+        self.engine.run_packed(codec.loads(env.body, env.buffers))
         self.output.flush()
 
     def _reform_groups(self, env: codec.Envelope) -> None:
+        from monarch.runtime.worker import groups
+
         groups.current.reform(env.message.generation)
         _log.info("process groups re-formed (generation %d)", env.message.generation)
         self.output.flush()
@@ -245,7 +279,8 @@ class Worker:
 
     def _close(self, goodbye: bool = False) -> None:
         self.output.flush()
-        if groups.current is not None:
+        groups = sys.modules.get("monarch.runtime.worker.groups")
+        if groups is not None and groups.current is not None:
             groups.current.destroy()
         if goodbye:  # after all our output: the controller stops reading us when this arrives
             self.output.flush()
@@ -258,7 +293,7 @@ class Worker:
         # process that wakes once per message (issue 29): the common case takes the fewest steps.
         msg: protocol.Call = env.message
         call_id = msg.call_id
-        if streams.threads:  # what stream threads printed so far is no part of this call
+        if self.streams is not None and self.streams.threads:  # what stream threads printed is no part of this call
             self.output.flush()
         self.released = None
         self.call_id = call_id

@@ -35,6 +35,7 @@ from monarch.runtime.wire.protocol.calls import (
     Call,
     ErrorInfo,
     MakeGroups,
+    ReadyTorch,
     ReformGroups,
     Released,
     Reply,
@@ -77,7 +78,7 @@ from monarch.runtime.wire.protocol.tensor import (
     unpack_commands,
 )
 
-TO_WORKERS = (Call, MakeGroups, RunOps, StdinReply, Exit, ReformGroups, Cast)
+TO_WORKERS = (Call, MakeGroups, RunOps, StdinReply, Exit, ReformGroups, Cast, ReadyTorch)
 """Every message a controller sends its workers through `Backend.send`. Every backend answers each one: a
 worker's `HANDLERS` (and `Exit`), the simulator's `HANDLED` and `IGNORED`; a request the receiver does not
 handle gets an error `Reply`, never silence (`tests/test_wire_tags.py`)."""
@@ -119,6 +120,7 @@ __all__ = [
     "RecvFrom",
     "Reduce",
     "Ref",
+    "ReadyTorch",
     "ReformGroups",
     "Released",
     "Reply",

@@ -7,7 +7,18 @@ from __future__ import annotations
 from monarch.runtime.common.errors import ErrorInfo
 from monarch.runtime.wire.protocol.base import message
 
-__all__ = ["RELEASED", "Busy", "Call", "ErrorInfo", "MakeGroups", "ReformGroups", "Released", "Reply", "RunOps"]
+__all__ = [
+    "RELEASED",
+    "Busy",
+    "Call",
+    "ErrorInfo",
+    "MakeGroups",
+    "ReformGroups",
+    "Released",
+    "Reply",
+    "ReadyTorch",
+    "RunOps",
+]
 
 
 @message(0)
@@ -47,6 +58,13 @@ class ReformGroups:
 
     generation: int
     """How many times the mesh's groups were re-formed (names the new groups' store keys)."""
+
+
+@message(57)
+class ReadyTorch:
+    """Set torch up now, as a worker started with `WorkerStart.torch` does at start (every worker of the mesh,
+    in lockstep: it makes the mesh's default process group). Sent once, before the first message that needs
+    torch, to a mesh whose workers started without it."""
 
 
 @message(2)

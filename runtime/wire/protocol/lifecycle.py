@@ -46,6 +46,10 @@ class WorkerStart:
     spin: float = 0.0
     """Seconds the worker polls its lane for the next command before it sleeps (0: it sleeps at once); see
     `config.Settings.worker_spin`."""
+    torch: bool = True
+    """Set torch up at start (threads, seed, device, the mesh's default process group). False for a mesh of a
+    program that has not imported torch: it runs actors at once, and sets torch up when the controller first
+    sends it something that needs it (`ReadyTorch`)."""
 
 
 @message(6)
@@ -53,7 +57,7 @@ class Ready:
     """The worker is up: connected, in its process group, serving commands."""
 
     info: dict[str, Any]
-    """``{"pid", "host", "device"}``."""
+    """``{"pid", "host", "device", "torch"}`` ("torch": whether torch was set up at start)."""
 
 
 @message(7)
