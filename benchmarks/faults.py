@@ -34,6 +34,7 @@ REPEATS = 3
 BUSY_CONTROLLER = textwrap.dedent(
     """
     import time
+    import torch  # (a program with torch: workers set it up at spawn)
     from monarch.actor import this_host
     import monarch
     mesh = this_host().spawn_procs({"gpu": 8})
@@ -56,6 +57,7 @@ BUSY_CONTROLLER = textwrap.dedent(
 IN_PROCESS = textwrap.dedent(
     """
     import json, os, signal, statistics, threading, time
+    import torch  # (a program with torch: workers set it up at spawn)
     from monarch.actor import this_host
     import monarch
 

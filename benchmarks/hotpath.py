@@ -155,6 +155,7 @@ STEPS = textwrap.dedent(
 MESH = floor.CPU_OF + textwrap.dedent(
     """
     import json, os, time
+    import torch  # (a program with torch: workers set it up at spawn)
     import monarch
     from monarch.actor import this_host
 

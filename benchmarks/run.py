@@ -38,6 +38,7 @@ FLOOR_TARGET = 1.5
 MONARCH = textwrap.dedent(
     """
     import json, statistics, time
+    import torch  # (a program with torch: its workers set torch up and join the group at spawn, as measured)
     t0 = time.perf_counter()
     from monarch.actor import this_host
     import monarch

@@ -140,8 +140,13 @@ class Worker:
 
         cfg = self.cfg
         torch.set_num_threads(cfg.threads)
-        torch.seed()  # forked workers share the fork server's RNG state; give each its own, as a fresh process has
+        # Forked workers share the fork server's RNG state: each gets its own, as a fresh process has. (Not
+        # `torch.seed()`: on a machine without a GPU its CUDA half only queues a lazy call, with the caller's
+        # stack formatted, 30 ms per worker where our code's recorded file names are stale.)
+        seed = torch.default_generator.seed()
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus:
+            torch.cuda.manual_seed_all(seed)
         local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if gpus and local_workers <= gpus:
             device = torch.device("cuda", cfg.local_rank)
