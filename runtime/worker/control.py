@@ -40,9 +40,11 @@ anywhere: tuple[int, str] | None = None
 """(call id, what it runs) of a call whose every wait is on its peers, wherever its main thread is (a torchrun
 script run by `SPMDActor.main`: DDP waits in C++, with no torch.distributed frame on the stack): asked to
 RELEASE, it is released from wherever it is, as torchrun ends every rank when one fails."""
-PEER_WAIT = 10.0
-"""Seconds a rank whose collective failed on a closed connection waits for the controller to say it was released
-(it comes at once; the bound is reached only where the peer really died, which the controller tells anyway)."""
+PEER_WAIT = 2.0
+"""Seconds a rank whose collective failed on a closed connection waits for the controller to say it was released.
+On one host the request is there before any peer can close a connection (`WorkerProcs.control` writes every
+rank's before it wakes any); across hosts it comes through each host's agent, at once. The bound is reached only
+where the peer really died, which the controller tells anyway."""
 
 
 def _groups() -> Any:
