@@ -26,7 +26,7 @@ import zmq.utils.monitor
 
 from monarch.runtime.backends.base import Backend, LostCallback
 from monarch.runtime.backends.local import LocalBackend, await_ready, drain_output, take_startup
-from monarch.runtime.common import groups
+from monarch.runtime.common import groups, limits
 from monarch.runtime.common.log import RateLimitedLog
 from monarch.runtime.common.shape import Shape
 from monarch.runtime.procs.jobfiles import AgentRecord, JobDir, Manifest
@@ -120,6 +120,10 @@ class HostsBackend(Backend):
         """Connect to every agent and say hello; raise (nothing left connected) if one refuses or does not
         answer within `ATTACH_TIMEOUT`."""
         me = f"{socket.gethostname()}:{os.getpid()}"
+        opened = len(getattr(self.ctx, "_sockets", ()))
+        limits.check(
+            f"job {self.job.name} ({len(records):,} hosts)", hosts=len(records), zmq_sockets=(self.ctx, opened)
+        )
         try:
             for i, rec in enumerate(records):
                 sock = self.ctx.socket(zmq.DEALER)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from monarch.runtime.backends.base import Backend, LostCallback
-from monarch.runtime.common import groups, log
+from monarch.runtime.common import groups, limits, log
 from monarch.runtime.common.config import Settings
 from monarch.runtime.common.errors import exit_cause
 from monarch.runtime.common.processes import proc_state as _proc_state
@@ -108,6 +108,7 @@ class LocalBackend(Backend):
         self, mesh_id: int, shape: Shape, labels: list[str], progress: Callable[[int], None] | None = None
     ) -> list[dict]:
         n = len(shape)
+        limits.check(f"a mesh of {n:,} workers {shape.describe()}", workers=n)
         # Workers set torch up at start where the program uses torch (it imported it, or runs cells: IPython, a
         # kernel, whose fork server imports torch as it starts); a program that has not runs actors, which
         # answer sooner without it (torch is set up on the first message that needs it).

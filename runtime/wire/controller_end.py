@@ -28,6 +28,7 @@ from typing import Any, cast
 
 import zmq
 
+from monarch.runtime.common import limits
 from monarch.runtime.common.config import Settings
 from monarch.runtime.common.log import RateLimitedLog
 from monarch.runtime.wire import codec, lanes, protocol
@@ -110,6 +111,7 @@ class ControllerTransport:
     def __init__(self, settings: Settings, directory: str) -> None:
         self.settings = settings
         self.ctx = zmq.Context()
+        limits.size_context(self.ctx)  # (before its first socket: fixed from then on)
         self.curve = ServerCurve(self.ctx) if settings.transport == "tcp" else None
         self.cmd = self._socket(zmq.XPUB, sndhwm=settings.send_hwm, rcvhwm=JUNK_HWM)
         self.cmd.setsockopt(zmq.XPUB_MANUAL, 1)  # we apply subscriptions: only to topics we handed out
