@@ -34,7 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from monarch.runtime.common.errors import exit_cause
+from monarch.runtime.common import last_words
+from monarch.runtime.common.errors import cell_frame, exit_cause
 from monarch.runtime.common.processes import proc_state
 from monarch.runtime.wire import codec, protocol
 
@@ -213,6 +214,7 @@ class WorkerProcs:
         if group is not None:
             with contextlib.suppress(OSError):
                 os.unlink(group.path)  # workers (if any are left) keep their mapping
+            last_words.forget(self.dir, mesh_id, list(group.procs))
         self._wake()
 
     def close(self) -> None:
@@ -280,7 +282,8 @@ class WorkerProcs:
             self.changed.notify_all()
         if group.running and rank not in group.lost:
             group.lost.add(rank)
-            self.on_lost(mesh_id, rank, exit_cause(code))
+            said = last_words.read(self.dir, mesh_id, rank, cell_frame) if code is not None and code < 0 else ""
+            self.on_lost(mesh_id, rank, exit_cause(code) + said)
 
     def _check_frozen(self) -> None:
         now = time.monotonic()

@@ -11,6 +11,8 @@ import threading
 import time
 from typing import Any
 
+from monarch.runtime.common import last_words
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -19,6 +21,7 @@ def run(cfg: Any) -> None:
     from monarch.runtime.worker.control import block_signal
 
     block_signal()  # before any thread starts: only the control thread takes the controller's signal
+    last_words.enable(os.path.dirname(cfg.interrupt_path), cfg.keys.mesh_id, cfg.keys.rank)
     _die_with_parent(cfg.parent_pid)
     _exit_with_controller(cfg.controller_pid)
     os.setsid()  # terminal Ctrl-C goes to the controller, which forwards interrupts
