@@ -74,8 +74,12 @@ def test_segfault_and_exit_status_are_named():
 
     with pytest.raises(
         WorkerDiedError, match=r"rank 1 \(gpu=1\) of mesh \{gpu: 2\} crashed with SIGSEGV \(segmentation fault\)"
-    ):
+    ) as e:
         crash.on(mesh)()
+    # where: ctypes' function, called from the user's line (from the stacks faulthandler wrote as it died)
+    assert " in string_at (__init__.py, line " in str(e.value)
+    line = next(n for n, text in enumerate(open(__file__), 1) if "ctypes.string_at(0)" in text)
+    assert f"called from crash ({__file__}, line {line})" in " ".join(str(e.value).split())
     assert wait_gone(pids) == []
 
     mesh = this_host().spawn_procs({"gpu": 2})
