@@ -226,6 +226,7 @@ def _named(module: str, qualname: str) -> _Named:
 
 def remote(fn):
     """Decorator: make `fn` a live function (shipped by value with the globals it uses)."""
+    context.live_functions = True  # (its meshes start with torch set up: `WorkerStart.torch`)
     return RemoteFunction(fn)
 
 

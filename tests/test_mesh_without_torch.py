@@ -1,5 +1,5 @@
 """A program that has not imported torch (actors only, as Monarch's examples are) gets workers that have not
-either: they answer at once. The first thing that needs torch (a live function, a tensor command) has every
+either: they answer at once (one that made a live function gets them with torch, as one that imported it). The first thing that needs torch (a live function, a tensor command) has every
 worker of the mesh set it up, as a mesh of a program with torch does at start; the actors go on meanwhile."""
 
 from __future__ import annotations
@@ -27,6 +27,12 @@ SCRIPT = textwrap.dedent(
         def torch_here(self) -> bool:
             return "torch" in sys.modules
 
+    procs = this_host().spawn_procs({"gpu": 4})  # (before any live function: one made first means torch)
+    out = {"pids": [r["pid"] for r in procs.to_table(with_memory=False).rows]}
+    probes = procs.spawn("probe", Probe)
+    out["before"] = probes.torch_here.call().get().values()
+    out["controller_torch"] = "torch" in sys.modules
+
     @monarch.remote
     def first_torch_use():
         import torch.distributed as dist
@@ -39,11 +45,6 @@ SCRIPT = textwrap.dedent(
         dist.all_reduce(t)
         return torch.initial_seed(), torch.get_num_threads(), t.item()
 
-    procs = this_host().spawn_procs({"gpu": 4})
-    out = {"pids": [r["pid"] for r in procs.to_table(with_memory=False).rows]}
-    probes = procs.spawn("probe", Probe)
-    out["before"] = probes.torch_here.call().get().values()
-    out["controller_torch"] = "torch" in sys.modules
     out["slice_alone"] = first_torch_use.on(procs.slice(gpu=0))().values()
     out["after"] = set_up.on(procs)().values()
     out["actors_after"] = probes.torch_here.call().get().values()
@@ -51,7 +52,10 @@ SCRIPT = textwrap.dedent(
     with procs.activate():
         t = torch.ones(3) * 2
         out["engine"] = monarch.inspect(t.sum()).tolist()
+    more = this_host().spawn_procs({"gpu": 2})  # a program with live functions (and torch): set up at start
+    out["more"] = more.spawn("probe", Probe).torch_here.call().get().values()
     print(json.dumps(out), flush=True)
+    more.stop().get()
     procs.stop().get()
     """
 )
@@ -73,6 +77,7 @@ def test_a_program_without_torch_gets_workers_without_it_until_something_needs_i
     assert [(n, total) for _, n, total in out["after"]] == [(threads, 4.0)] * 4
     assert out["actors_after"] == [True] * 4
     assert out["engine"] == 6.0
+    assert out["more"] == [True, True]
     assert wait_gone(out["pids"]) == []
     wait_for(lambda: not servers_of(p.pid), what="the fork server's exit")
 
@@ -133,3 +138,37 @@ def test_torchrun_style_actors_keep_their_group_when_torch_is_set_up_later(tmp_p
     assert out["controller_torch"] is False and out["train"] == [3.0] * 3
     assert out["size"] == [3] * 3  # the script's own default group, kept
     assert "handed over to torchrun-style code" in out["mesh_group"]
+
+
+LIVE_FIRST = textwrap.dedent(
+    """
+    import json, sys
+    import monarch
+    from monarch.actor import Actor, endpoint, this_host
+
+    class Probe(Actor):
+        @endpoint
+        def torch_here(self) -> bool:
+            return "torch" in sys.modules
+
+    @monarch.remote
+    def rank():
+        import torch.distributed as dist
+        return dist.get_rank()
+
+    procs = this_host().spawn_procs({"gpu": 2})
+    out = {"controller_torch": "torch" in sys.modules, "actors": procs.spawn("p", Probe).torch_here.call().get().values()}
+    out["ranks"] = rank.on(procs)().values()
+    print(json.dumps(out), flush=True)
+    procs.stop().get()
+    """
+)
+
+
+def test_a_program_of_live_functions_gets_workers_with_torch_set_up_at_start(tmp_path):
+    script = tmp_path / "live_first.py"
+    script.write_text(LIVE_FIRST)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"controller_torch": False, "actors": [True, True], "ranks": [0, 1]}

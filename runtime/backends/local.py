@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from monarch.runtime.backends.base import Backend, LostCallback
-from monarch.runtime.common import groups, limits, log
+from monarch.runtime.common import context, groups, limits, log
 from monarch.runtime.common.config import Settings
 from monarch.runtime.common.errors import exit_cause
 from monarch.runtime.common.processes import proc_state as _proc_state
@@ -109,10 +109,10 @@ class LocalBackend(Backend):
     ) -> list[dict]:
         n = len(shape)
         limits.check(f"a mesh of {n:,} workers {shape.describe()}", workers=n)
-        # Workers set torch up at start where the program uses torch (it imported it, or runs cells: IPython, a
-        # kernel, whose fork server imports torch as it starts); a program that has not runs actors, which
-        # answer sooner without it (torch is set up on the first message that needs it).
-        torch = "torch" in sys.modules or "IPython" in sys.modules or torch_server_started()
+        # Workers set torch up at start where the program uses torch (it imported it, made live functions, or
+        # runs cells: IPython, a kernel, whose fork server imports torch as it starts); a program of actors
+        # only answers sooner without it (torch is set up on the first message that needs it).
+        torch = "torch" in sys.modules or context.live_functions or "IPython" in sys.modules or torch_server_started()
         fork_server(torch)  # starts it: it imports torch (if it does) while we carry on
         keys = self.transport.add_mesh(mesh_id, n, lanes=True)
         mesh = _Mesh(shape, labels)

@@ -42,6 +42,9 @@ worker: WorkerInfo | None = None
 view = CallView()
 cell_namespace: dict[str, Any] | None = None
 """The `%%mesh` cells' namespace on this worker, once a cell ran (errors name the user's objects by it)."""
+live_functions = False
+"""Whether this (controller's) process made a live function (`@monarch.remote`): a program of live functions
+gets workers that set torch up at start (`WorkerStart.torch`), as one that imported torch does."""
 
 
 def _need_worker() -> WorkerInfo:

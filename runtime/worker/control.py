@@ -54,6 +54,16 @@ def _groups() -> Any:
     return module.current if module is not None else None
 
 
+def _code_groups() -> list[Any] | None:
+    """Where the mesh's groups were never set up here (a worker of actors): the groups code made itself
+    (torchrun-style), [] if it made none; None where torch is not even imported (no collective to leave)."""
+    if "torch.distributed" not in sys.modules:
+        return None
+    from monarch.runtime.worker import groups  # (torch is imported already: cheap)
+
+    return groups.users_groups()
+
+
 def block_signal() -> None:
     """Block SIGUSR1 in this thread and every thread it starts later (call first thing in a worker):
     only the control thread takes it."""
@@ -107,7 +117,8 @@ class Control:
         collective, where = describe(sys._current_frames().get(self.main))
         if kind == protocol.Control.RELEASE and not collective and anywhere is not None and anywhere[0] == call_id:
             collective = anywhere[1]
-        released = kind == protocol.Control.RELEASE and collective and groups is not None
+        releasable = groups is not None or _code_groups() is not None
+        released = kind == protocol.Control.RELEASE and collective and releasable
         if not (released and self._release(call_id, collective, where, generation)):
             w.send(protocol.Busy(w.call_id, where, collective))
 
@@ -120,9 +131,15 @@ class Control:
                 return False
             self.worker.released = (collective, where)
         _log.info("call %d: released from %s at %s (another rank failed)", call_id, collective, where)
+        made = groups.users() if groups is not None else _code_groups() or []
         # said before it is done: the call's reply (its collective raises at once) must come after this
-        self.worker.send(protocol.Released(call_id, collective, where, name_groups(groups.users())))
-        groups.release_generation(generation)
+        self.worker.send(protocol.Released(call_id, collective, where, name_groups(made)))
+        if groups is not None:
+            groups.release_generation(generation)
+        else:
+            from monarch.runtime.worker import groups as module
+
+            module.shut(made)
         return True
 
     def claim_release(self, call_id: int, error: BaseException, wait: float = PEER_WAIT) -> bool:
@@ -135,9 +152,9 @@ class Control:
         collective, where = describe_traceback(error.__traceback__)
         if not collective and anywhere is not None and anywhere[0] == call_id:
             collective = anywhere[1]
-        if not collective or self.worker.released is not None or groups is None:
+        if not collective or self.worker.released is not None or (groups is None and _code_groups() is None):
             return False
-        generation = groups.generation
+        generation = groups.generation if groups is not None else 0
         deadline = time.monotonic() + (wait if PEER_GONE.search(str(error)) else 0.0)
         pause = 0.001
         while True:

@@ -25,7 +25,9 @@ from monarch.runtime.common import groups as shared
 from monarch.runtime.worker import local_reduce
 
 current: Groups | None = None
-"""This worker's groups (set at start)."""
+"""This worker's groups (set when torch is set up: at start, or on the controller's `ReadyTorch`)."""
+handed_over = False
+"""The mesh's groups were handed over to torchrun-style code before they were set up (`spmd.hand_over`)."""
 HANDED_OVER = (
     "this mesh's process groups were handed over to torchrun-style code (monarch.spmd.setup_torch_elastic_env): "
     "use the groups that code makes (torch.distributed's default group, init_device_mesh)"
@@ -50,7 +52,7 @@ class Groups:
         self._reforming = threading.Lock()
         self.handed_over = False
         """The default group was given up to code that makes its own (`setup_torch_elastic_env`)."""
-        if dist.is_initialized():  # code run here made its own already (torchrun-style, before torch was set up)
+        if handed_over or dist.is_initialized():  # given up to torchrun-style code before torch was set up here
             self.prefix, self.by_id, self.handed_over = "", {}, True
             self._stream_copies, self._pairs, self._links, self._local = {}, {}, {}, {}
         else:
@@ -183,9 +185,8 @@ class Groups:
 
     def users(self) -> list[Any]:
         """Groups user code made (dist.new_group, init_device_mesh, ...)."""
-        pg_map = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", {})
         mine = {id(g) for g in self.ours()}
-        return [g for g in list(pg_map) if id(g) not in mine]
+        return [g for g in users_groups() if id(g) not in mine]
 
     def release(self) -> None:
         """Make every collective this worker (and its peers) waits in raise: abort NCCL communicators, shut
@@ -195,21 +196,7 @@ class Groups:
         for reducer in list(self._local.values()):
             if reducer is not None:
                 reducer.abort()
-        for group in self.ours() + self.users():
-            try:
-                if dist.get_backend(group) == "nccl":
-                    dist.distributed_c10d._abort_process_group(group)
-            except Exception:
-                pass
-        for fd in peer_sockets():
-            try:
-                s = socket.socket(fileno=os.dup(fd))
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                finally:
-                    s.close()
-            except OSError:
-                pass
+        shut(self.ours() + self.users())
 
     def release_generation(self, generation: int) -> None:
         """`release`, if the groups are still those of `generation` (a request that arrives after they were
@@ -251,6 +238,33 @@ class Groups:
         t = threading.Thread(target=_destroy, name="monarch-destroy", daemon=True)
         t.start()
         t.join(5)
+
+
+def users_groups() -> list[Any]:
+    """Every process group of this process torch knows (on a worker without the mesh's own: the user's)."""
+    pg_map = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", {})
+    return list(pg_map)
+
+
+def shut(made: list[Any]) -> None:
+    """Make the collectives of `made` (and any other of this worker's connections to its peers) raise, here and
+    on the peers: abort NCCL communicators, shut gloo's connections down. Also for a worker that never set the
+    mesh's groups up (it ran only actors): code there (torchrun-style) made its own."""
+    for group in made:
+        try:
+            if dist.get_backend(group) == "nccl":
+                dist.distributed_c10d._abort_process_group(group)
+        except Exception:
+            pass
+    for fd in peer_sockets():
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            finally:
+                s.close()
+        except OSError:
+            pass
 
 
 def _destroy() -> None:

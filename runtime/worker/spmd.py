@@ -71,7 +71,9 @@ def set_env(env: dict[str, str]) -> dict[str, str]:
 def hand_over() -> None:
     """Give the worker's own groups up, once; the mesh's groups (`mesh.process_group`, the tensor engine's)
     then say they were handed over."""
-    if groups.current is not None and not groups.current.handed_over:
+    if groups.current is None:  # (torch not set up here yet: the groups set up later start handed over)
+        groups.handed_over = True
+    elif not groups.current.handed_over:
         groups.current.hand_over()
 
 

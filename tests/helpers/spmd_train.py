@@ -83,6 +83,10 @@ def main() -> None:
     }
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(seen, f)
+    # Every rank past its last collective before any tears its groups down: a rank that destroys them while its
+    # peer's gloo threads still use the connections can end that peer with "terminate called without an active
+    # exception" (SIGABRT; seen under torchrun on a loaded machine).
+    dist.barrier()
     dist.destroy_process_group()
     if args.exit is not None:
         sys.exit(args.exit)
