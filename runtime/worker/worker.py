@@ -141,8 +141,8 @@ class Worker:
         cfg = self.cfg
         torch.set_num_threads(cfg.threads)
         # Forked workers share the fork server's RNG state: each gets its own, as a fresh process has. (Not
-        # `torch.seed()`: on a machine without a GPU its CUDA half only queues a lazy call, with the caller's
-        # stack formatted, 30 ms per worker where our code's recorded file names are stale.)
+        # `torch.seed()`: on a machine without a GPU its CUDA half only queues a lazy call, formatting the
+        # caller's whole stack, for nothing.)
         seed = torch.default_generator.seed()
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if gpus:
