@@ -184,6 +184,31 @@ def test_the_agents_end_the_workers_of_a_controller_that_died_and_serve_the_next
         assert j.stop() == []
 
 
+def test_the_same_controller_attaching_again_before_its_old_link_ends_takes_over(tmp_path):
+    """A controller that lost a host detaches and attaches again; on a loaded machine the agents can read its
+    new hello before they see the old link close. The old link stays open here, so that order is certain."""
+    from monarch.runtime.controller import get_controller
+
+    j = AgentJob(tmp_path, "again", hosts=2)
+    j.start()
+    try:
+        job = monarch.notebook.job(j.name)
+        mesh = job.spawn_procs({"gpu": 1})
+        pids = worker_pids(mesh)
+        controller = get_controller()
+        old = controller.jobs.pop(j.name)  # (forgotten, not closed: its link is still up)
+        again = job.spawn_procs({"gpu": 1})
+        assert wait_gone(pids) == []  # the old link's workers went with it
+        assert where.on(again)().values() == [1.0, 1.0]
+        for host in old.hosts:
+            host.lost = "replaced by a new link"  # (nothing to wait for: the agents answer only the new link)
+        mesh.exit()
+        old.close()
+        again.exit()
+    finally:
+        assert j.stop() == []
+
+
 def test_a_host_whose_agent_dies_is_named_and_other_meshes_keep_working(tmp_path):
     j = AgentJob(tmp_path, "lost", hosts=2)
     j.start()

@@ -191,6 +191,10 @@ class Agent:
             handler(message)
 
     def _hello(self, ident: bytes, fd: int, env: Any, msg: protocol.AgentHello) -> None:
+        if self.attached is not None and self.attached != ident and msg.controller == self.controller:
+            # The same controller on a new link: it closed the old one (a detach, then an attach), but on a loaded
+            # machine its new hello can be read before the old link's end is: the old link's workers go now.
+            self._detach()
         if self.attached is not None and self.attached != ident:
             refused = f"the job is in use by the controller {self.controller} (detach it first)"
             frames = self.link.encode(self._info(refused))
