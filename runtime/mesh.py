@@ -342,7 +342,7 @@ class ProcMesh(MeshTrait):
     def status(self) -> list[str]:
         """Per point of this view: ``idle``, ``busy``, ``failed`` or ``stopped``."""
         sp = self._spawned
-        busy = sp.controller.busy_ranks(sp)
+        busy = sp.controller.calls.busy_ranks(sp)
         out = []
         for r in self._shape.ranks:
             if sp.state in ("running", "starting"):
@@ -379,7 +379,7 @@ class ProcMesh(MeshTrait):
         (a thread holding the GIL) is named as such."""
         sp = self._spawned
         ranks = tuple(self._shape.ranks)
-        stacks = sp.controller.stacks(sp, ranks, wait) if sp.state == "running" else {}
+        stacks = sp.controller.watchdogs.stacks(sp, ranks, wait) if sp.state == "running" else {}
         for r, threads in stacks.items():
             info = sp.info[r] if r < len(sp.info) else {}
             if threads is None and info.get("host") == _HOST and info.get("pid"):
@@ -395,10 +395,9 @@ class ProcMesh(MeshTrait):
         controller = sp.controller
         mine = set(self._shape.ranks)
         if ask and sp.state == "running":
-            running = controller.describe_busy(sp, ask)
+            running = controller.calls.ask_busy(sp, ask)
         else:
-            calls = [p for p in list(controller.calls.values()) if p.mesh is sp]
-            running = [(p, [r for r in p.ranks if r not in p.replies]) for p in calls]
+            running = controller.calls.running(sp)
         if interrupted_only:
             running = [(p, ranks) for p, ranks in running if p.call_id in sp.abandoned]
         now = time.monotonic()

@@ -96,10 +96,10 @@ class Future(Generic[T]):
                     raw.append((rank, labels[rank], _loads(env.body, env.buffers)))
                 except Exception:
                     pass
-        busy = sorted(set(self._shape.ranks) - set(pending.replies))
-        queued = sorted(set(busy) & controller.busy_with_earlier_calls(pending))
-        if busy and not pending.future.done():
-            pending.mesh.abandoned.add(pending.call_id)  # the next call on these ranks says so, not waits
+        busy = sorted(controller.calls.running_ranks(pending))
+        queued = sorted(set(busy) & controller.calls.busy_before(pending))
+        if busy:
+            controller.calls.abandon(pending)  # the next call on these ranks says so, not waits
         return RemoteInterrupt(self._name, group_failures(raw), busy, len(self._shape), queued)
 
     get = result

@@ -18,10 +18,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from monarch.runtime import backends
-from monarch.runtime.common import load, log
+from monarch.runtime.common import log
 from monarch.runtime.common.config import Settings, settings
-from monarch.runtime.common.errors import MeshStoppedError, WorkerDiedError
-from monarch.runtime.common.shape import Shape, format_ranks
+from monarch.runtime.common.errors import WorkerDiedError
+from monarch.runtime.common.shape import Shape
+from monarch.runtime.controller.calls import Calls
 from monarch.runtime.controller.casts import Casts
 from monarch.runtime.controller.debugger import DebugServer
 from monarch.runtime.controller.output import LineLabeller, OutputEvent
@@ -29,6 +30,7 @@ from monarch.runtime.controller.progress import SpawnProgress, TerminalProgress
 from monarch.runtime.controller.receiving import Receiver
 from monarch.runtime.controller.state import PendingCall, SpawnedMesh
 from monarch.runtime.controller.stdin import StdinService
+from monarch.runtime.controller.watchdogs import Watchdogs
 from monarch.runtime.wire import protocol
 from monarch.runtime.wire.hold import HOLD
 
@@ -36,21 +38,10 @@ if TYPE_CHECKING:
     from monarch.runtime.backends.base import Backend
     from monarch.runtime.backends.hosts import HostsBackend
     from monarch.runtime.backends.local import LocalBackend
-    from monarch.runtime.common.stacks import Frame
     from monarch.runtime.procs.jobfiles import AgentRecord, JobDir
     from monarch.runtime.wire import codec
 
-RELEASE_FIRST = 0.2
-"""Seconds after a rank fails (while others still run the call) before the others are asked to leave a
-collective they wait in; then every `RELEASE_AGAIN` seconds until the call ends."""
-RELEASE_AGAIN = 0.5
-HANG_SAMPLES = 5
-"""How many times the ranks of a call past `MONARCH_HANG_REPORT` are asked where they are, `HANG_EVERY`
-seconds apart, before a picture that stayed the same is reported."""
-HANG_EVERY = 0.5
-
 _log = log.get("controller")
-DEBUG = logging.DEBUG
 
 
 _NEEDS_TORCH = (protocol.MakeGroups, protocol.RunOps, protocol.ReformGroups)
@@ -67,7 +58,8 @@ class Controller:
         log.configure("controller")
         self.settings = config or settings()
         self.meshes: dict[int, SpawnedMesh] = {}
-        self.calls: dict[int, PendingCall] = {}
+        self.calls = Calls(self)
+        """The calls in flight: each one's life is changed there only."""
         self.output: Callable[[OutputEvent], None] = LineLabeller()
         """Where worker output and displays go; the notebook extension routes them per cell."""
         self.stdin = StdinService(self, DebugServer)
@@ -86,16 +78,11 @@ class Controller:
         self.backend: Backend = backends.create(self.settings, self._on_lost)
         self.jobs: dict[str, HostsBackend] = {}
         """Job name -> the backend of its host agents, once attached."""
+        self.watchdogs = Watchdogs(self)
+        """Hang reports, stack reports, and the stacks requests they make."""
         self.receiver = Receiver(self)
         self.casts = Casts(self._send_now)
         """`broadcast()`s to actors not sent yet (batched; sent before anything else to their mesh)."""
-        self.stack_replies: dict[int, dict[int, list[tuple[str, list[Frame]]]]] = {}
-        """Request number -> {rank: its threads' stacks}, while `stacks` waits for them."""
-        self._stack_tokens = itertools.count(1)
-        if self.settings.hang_report:
-            threading.Thread(target=self._watch_hangs, name="monarch-hang-watch", daemon=True).start()
-        if self.settings.stack_report:
-            threading.Thread(target=self._report_stacks, name="monarch-stack-report", daemon=True).start()
         atexit.register(self.shutdown)
 
     # -- meshes ------------------------------------------------------------------------------------
@@ -226,14 +213,14 @@ class Controller:
             call_id, mesh, ranks, concurrent.futures.Future(), no_stdin=no_stdin, output=output, name=name,
             started=time.monotonic(),
         )  # fmt: skip
-        self.calls[call_id] = pending
+        self.calls.register(pending)
         dead = mesh.failure or mesh.lost_among(ranks)
         if dead is not None:  # died between the check and the registration
-            self._fail(pending, dead)
+            self.calls.fail(pending, dead)
         else:
             message, body = message_for(call_id)
             self.send(mesh, ranks, message, body)
-            if _log.isEnabledFor(DEBUG):  # (per call: one call, not `debug`'s two)
+            if _log.isEnabledFor(logging.DEBUG):  # (per call: one call, not `debug`'s two)
                 _log.debug("call %d (%s) sent to %d ranks of mesh %d", call_id, name, len(ranks), mesh.mesh_id)
         if self.listeners:
             self.changed(mesh)
@@ -246,222 +233,8 @@ class Controller:
     def interrupt(self, pending: PendingCall) -> None:
         """Interrupt `pending` on the workers still busy with it. A worker running another thread's call
         goes on with it and skips `pending` when it comes."""
-        busy = tuple(r for r in pending.ranks if r not in pending.replies)
+        busy = tuple(Calls.running_ranks(pending))
         pending.mesh.backend.interrupt(pending.mesh.mesh_id, busy, pending.call_id)
-
-    def busy_with_earlier_calls(self, pending: PendingCall) -> set[int]:
-        """Ranks of `pending`'s mesh that have not yet answered a call issued before it (by another thread)."""
-        busy: set[int] = set()
-        for other in list(self.calls.values()):
-            if other is not pending and other.mesh is pending.mesh and other.call_id < pending.call_id:
-                busy.update(r for r in other.ranks if r not in other.replies)
-        return busy
-
-    # -- one rank failed, others still run ------------------------------------------------------------
-    def failed_while_others_run(self, pending: PendingCall) -> None:
-        """A rank answered `pending` with an error while others still run it: those waiting in a collective
-        for it would wait for ever. Show its traceback and ask them, soon and then twice a second, to leave
-        it (a call whose ranks all fail within `RELEASE_FIRST` shows each error once, when it ends)."""
-        if pending.failed:
-            return
-        pending.failed = True
-        self._release_later(pending, RELEASE_FIRST)
-
-    def _release_later(self, pending: PendingCall, delay: float) -> None:
-        timer = threading.Timer(delay, self._release, (pending,))
-        timer.daemon = True
-        timer.start()
-
-    def _release(self, pending: PendingCall) -> None:
-        if pending.future.done() or self._closed or pending.mesh.state != "running":
-            return
-        if pending.early_errors:  # the call goes on without the failed ranks: show why now
-            self.receiver.show_early_errors(pending)
-        busy = tuple(r for r in pending.ranks if r not in pending.replies and r not in pending.released)
-        if busy:
-            _log.info(
-                "call %d failed on a rank: asking ranks %s to leave their collective",
-                pending.call_id,
-                format_ranks(list(busy)),
-            )
-            pending.mesh.backend.control(pending.mesh.mesh_id, busy, pending.call_id, protocol.Control.RELEASE)
-            # Across hosts a link between two workers is shut by one of its ends only (the one that accepted
-            # it, or a sibling's on the same host): the ranks that already answered must shut theirs too.
-            mesh = pending.mesh
-            answered = tuple(r for r in pending.ranks if r in pending.replies)
-            if answered and not pending.disconnected and mesh.backend.spans_hosts(mesh.mesh_id):
-                pending.disconnected = True
-                mesh.backend.control(mesh.mesh_id, answered, mesh.generation, protocol.Control.DISCONNECT)
-        self._release_later(pending, RELEASE_AGAIN)
-
-    def call_done(self, pending: PendingCall) -> None:
-        """Every rank answered (receiving thread). If ranks were released from a collective, their groups are
-        broken (and the failed rank's, whose peers shut their connections): re-form them before anything
-        else runs on the mesh."""
-        mesh = pending.mesh
-        if _log.isEnabledFor(DEBUG):
-            _log.debug("call %d done in %.3f s", pending.call_id, time.monotonic() - pending.started)
-        if pending.released and mesh.state == "running":
-            mesh.generation += 1
-            _log.info("mesh %d: re-forming its groups (generation %d) after a release", mesh.mesh_id, mesh.generation)
-            self.send(mesh, None, protocol.ReformGroups(mesh.generation))
-
-    def describe_busy(
-        self, mesh: SpawnedMesh, wait: float = load.ASK_WAIT, only: PendingCall | None = None
-    ) -> list[tuple[PendingCall, list[int]]]:
-        """The calls of `mesh` (or just `only`) still running, with their busy ranks; asks those ranks what
-        they are doing (their fresh answers land in each call's `busy`, within `wait` seconds)."""
-        calls = [only] if only is not None else [p for p in list(self.calls.values()) if p.mesh is mesh]
-        running = [(p, [r for r in p.ranks if r not in p.replies]) for p in calls]
-        running = [(p, ranks) for p, ranks in running if ranks]
-        for p, ranks in running:
-            for r in ranks:
-                p.busy.pop(r, None)  # (an earlier answer would pass for this one)
-            mesh.backend.control(mesh.mesh_id, tuple(ranks), p.call_id, protocol.Control.REPORT)
-        deadline = time.monotonic() + wait
-        pause = 0.001
-        while (
-            time.monotonic() < deadline
-            and mesh.state == "running"
-            and any(r not in p.busy and r not in p.replies for p, ranks in running for r in ranks)
-        ):
-            time.sleep(pause)
-            pause = min(2 * pause, 0.01)
-        return running
-
-    # -- where ranks are ----------------------------------------------------------------------------
-    def stacks(
-        self, mesh: SpawnedMesh, ranks: tuple[int, ...], wait: float = 1.0
-    ) -> dict[int, list[tuple[str, list[Frame]]] | None]:
-        """{rank: its threads' stacks (`stacks.thread_stacks`), or None if it did not answer within `wait`}.
-        Each worker's control thread answers, whatever its main thread is doing."""
-        token = next(self._stack_tokens)
-        got = self.stack_replies[token] = {}
-        try:
-            if mesh.state == "running":
-                mesh.backend.control(mesh.mesh_id, ranks, token, protocol.Control.STACKS)
-                deadline = time.monotonic() + wait
-                while len(got) < len(ranks) and time.monotonic() < deadline:
-                    time.sleep(0.01)
-            return {r: got.get(r) for r in ranks}
-        finally:
-            self.stack_replies.pop(token, None)
-
-    def _report_stacks(self) -> None:
-        """`CONTROLLER_PYSPY_REPORT_INTERVAL`: every so often, everyone's stacks on the real stderr."""
-        while not self._closed:
-            time.sleep(self.settings.stack_report)
-            try:
-                self._print_stacks()
-            except Exception:  # (a report is never worth the thread)
-                traceback.print_exc(file=sys.__stderr__)
-
-    def _print_stacks(self) -> None:
-        from monarch.runtime.common.stacks import StackReport, thread_stacks
-
-        for mesh in list(self.meshes.values()):
-            if mesh.state == "running":
-                report = StackReport(thread_stacks(), self.stacks(mesh, tuple(range(mesh.size))),
-                                     dict(enumerate(mesh.labels)))  # fmt: skip
-                stamp = time.strftime("%H:%M:%S")
-                print(
-                    f"monarch: stacks of mesh {mesh.shape.describe()}, {stamp}\n{report}",
-                    file=sys.__stderr__,
-                    flush=True,
-                )
-
-    def _watch_hangs(self) -> None:
-        """Calls that have run `hang_report` seconds while ranks of theirs wait in a collective: say once,
-        where the call's output goes, which ranks wait where and for whom."""
-        limit = self.settings.hang_report
-        while not self._closed:
-            time.sleep(min(1.0, limit / 4))
-            # In a frame of its own: a loop variable left bound here would keep the last call looked at,
-            # and its replies (a large result's frames), alive while this thread sleeps (issue 30).
-            self._look_for_hangs(limit)
-
-    def _look_for_hangs(self, limit: float) -> None:
-        now = time.monotonic()
-        for pending in list(self.calls.values()):
-            due = max(pending.started + limit, pending.next_hang_check)
-            if not pending.hang_reported and now >= due and not pending.future.done():
-                pending.next_hang_check = now + limit  # (a healthy loop is looked at again only later)
-                try:
-                    self._report_hang(pending)
-                except Exception:
-                    traceback.print_exc(file=sys.__stderr__)
-
-    def _report_hang(self, pending: PendingCall) -> None:
-        """Look HANG_SAMPLES times, HANG_EVERY seconds apart: only a picture that stays the same (the same
-        ranks waiting in the same collective at the same line, the others at the same lines) is reported. A
-        loop that is merely busy, its ranks meeting in collectives many times a second, is not."""
-        mesh = pending.mesh
-        first: dict[int, tuple[str, str]] | None = None
-        said: dict[int, protocol.Busy] = {}
-        busy: list[int] = []
-        for i in range(HANG_SAMPLES):
-            if i:
-                time.sleep(HANG_EVERY)
-            if mesh.state != "running" or pending.future.done():
-                return
-            asked = self.describe_busy(mesh, only=pending)
-            if not asked:
-                return
-            busy = asked[0][1]
-            said = {r: pending.busy[r] for r in busy if r in pending.busy}
-            picture = {r: (b.collective, b.where) for r, b in said.items()}
-            if not any(c for c, _ in picture.values()) or (first is not None and picture != first):
-                return  # (nobody waits in a collective, or things move: looked at again later)
-            first = picture
-        pending.hang_reported = True
-        waiting = {r: b for r, b in said.items() if b.collective}
-        places: dict[tuple[str, str], list[int]] = {}
-        for r, b in waiting.items():
-            places.setdefault((b.collective, b.where), []).append(r)
-        seconds = time.monotonic() - pending.started
-        span = HANG_EVERY * (HANG_SAMPLES - 1)
-        lines = [f"monarch: {pending.name or 'this call'} has run {seconds:.0f} s; for the last {span:.0f} s:"]
-        for (collective, at), ranks in places.items():
-            lines.append(f"  {_ranks(ranks)} {'waits' if len(ranks) == 1 else 'wait'} in {collective} at {at}")
-        elsewhere = [r for r in said if r not in waiting]
-        done = [r for r in pending.ranks if r in pending.replies]
-        for r in elsewhere:
-            lines.append(f"  rank {r} ({mesh.labels[r]}) is at {said[r].where}, in no collective")
-        if elsewhere:
-            one = len(elsewhere) == 1
-            lines.append(
-                f"  {_ranks(elsewhere)} lag{'s' if one else ''}: the others wait for {'it' if one else 'them'}"
-            )
-        elif done:
-            they = "it" if len(done) == 1 else "they"
-            lines.append(
-                f"  {_ranks(done)} already finished this call: a collective {they} skipped waits for "
-                f"{'it' if len(done) == 1 else 'them'}"
-            )
-        elif len(places) > 1:
-            lines.append("  the ranks wait in different collectives or places: mismatched collectives")
-        mute = [r for r in busy if r not in said]
-        if mute:
-            lines.append(f"  {_ranks(mute)} did not say where {'it is' if len(mute) == 1 else 'they are'}")
-        lines.append("  (Interrupt the kernel or press Ctrl-C to stop it; mesh.stacks() shows every stack.)")
-        self.receiver.notice(pending, (elsewhere or sorted(waiting))[0], "\n".join(lines) + "\n")
-
-    def busy_ranks(self, mesh: SpawnedMesh) -> set[int]:
-        """Ranks of `mesh` with a call in flight."""
-        return {
-            r for call in list(self.calls.values()) if call.mesh is mesh for r in call.ranks if r not in call.replies
-        }
-
-    def _fail(self, pending: PendingCall, error: BaseException) -> None:
-        self.calls.pop(pending.call_id, None)
-        pending.mesh.abandoned.discard(pending.call_id)
-        try:
-            pending.future.set_exception(error)
-        except concurrent.futures.InvalidStateError:
-            pass
-        self.backend.replies.poke()  # wake a caller blocked receiving: its call ended
-        if self.listeners:
-            self.changed(pending.mesh)
 
     # -- losing and stopping -------------------------------------------------------------------------
     def _on_lost(self, mesh_id: int, rank: int, cause: str) -> None:
@@ -478,9 +251,7 @@ class Controller:
         self.casts.drop(mesh_id)
         mesh.backend.kill(mesh_id)
         self._mark_gone(mesh)
-        for pending in list(self.calls.values()):
-            if pending.mesh is mesh:
-                self._fail(pending, mesh.failure)
+        self.calls.fail_mesh(mesh, mesh.failure)
         self.changed(mesh)
         self.notify(f"monarch: {mesh.failure}")
 
@@ -494,9 +265,7 @@ class Controller:
         mesh.lost[rank] = error
         _log.info("mesh %d: rank %d %s; the rest of the mesh goes on (it runs actors)", mesh.mesh_id, rank, cause)
         mesh.backend.kill_rank(mesh.mesh_id, rank)  # (one that froze or stopped reading: it must not linger)
-        for pending in list(self.calls.values()):
-            if pending.mesh is mesh and rank in pending.ranks and rank not in pending.replies:
-                self._fail(pending, error)
+        self.calls.fail_rank(mesh, rank, error)
         self.changed(mesh)
         for fn in list(mesh.on_rank_lost):
             try:
@@ -517,11 +286,7 @@ class Controller:
             return
         was_running = mesh.state == "running"
         mesh.state = "stopping"
-        # Its calls end first, as stopped: what the ranks say as the mesh goes (a collective whose peers exit
-        # raises "Connection closed by peer") is not what happened, and arrives for no one.
-        for pending in list(self.calls.values()):
-            if pending.mesh is mesh:
-                self._fail(pending, _stopped_during(pending, why))
+        self.calls.stop_mesh(mesh, why)  # (its calls end first, as stopped)
         if was_running:
             self.casts.flush(mesh.mesh_id)  # (broadcasts made before the stop run before the workers exit)
         else:
@@ -574,18 +339,3 @@ class Controller:
 
 def _print_notice(text: str) -> None:
     print(text, file=sys.stderr)
-
-
-def _stopped_during(pending: PendingCall, why: str) -> MeshStoppedError:
-    mesh = pending.mesh
-    running = [r for r in pending.ranks if r not in pending.replies]
-    failed = [r for r, env in pending.replies.items() if not env.message.ok and r not in pending.released]
-    what = f" ({pending.name})" if pending.name else ""
-    text = f"mesh {mesh.shape.describe()} was stopped {why} while {_ranks(running)} still ran this call{what}"
-    if failed:
-        text += f"; {_ranks(sorted(failed))} had failed before (their tracebacks were shown as they came)"
-    return MeshStoppedError(text)
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"

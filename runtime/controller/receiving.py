@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from monarch.runtime.common import ports
-from monarch.runtime.common.errors import group_failures, peer_gone
+from monarch.runtime.common.errors import group_failures
 from monarch.runtime.common.processes import usable_cpus
 from monarch.runtime.controller.output import OutputEvent
 from monarch.runtime.controller.stdin import InputRequest
@@ -72,13 +72,13 @@ class Receiver:
         """How many times a waiting caller polled for replies before sleeping (for tests: polling happens
         only while replies are coming)."""
         self._handlers: dict[type[Any], Callable[[codec.Envelope], bool | None]] = {
-            protocol.Reply: self._on_reply,
+            protocol.Reply: controller.calls.reply,
             protocol.Output: self._on_output,
             protocol.Display: self._on_display,
             protocol.AskInput: self._on_input,
-            protocol.Released: self._on_released,
-            protocol.Busy: self._on_busy,
-            protocol.Stacks: self._on_stacks,
+            protocol.Released: controller.calls.released,
+            protocol.Busy: controller.calls.busy_report,
+            protocol.Stacks: controller.watchdogs.took_stacks,
             protocol.CastFailed: self._on_cast_failed,
             protocol.PortSend: self._on_port_send,
         }
@@ -171,7 +171,7 @@ class Receiver:
     ) -> bool:
         replies = self.replies
         replies.set_timeout(max(1, int(timeout * 1000)))
-        recv, on_reply, reply = replies.recv, self._on_reply, protocol.Reply
+        recv, on_reply, reply = replies.recv, self.controller.calls.reply, protocol.Reply
         while fut._state not in _ENDED and not HOLD.pending:  # (`_ended`, inline: asked after each message)
             got = None
             if spin:
@@ -249,47 +249,11 @@ class Receiver:
             return False
         return handler(env) is True
 
-    def _on_reply(self, env: codec.Envelope) -> None:
-        msg = env.message
-        c = self.controller
-        pending = c.calls.get(msg.call_id)
-        if pending is None or pending.mesh.mesh_id != env.mesh_id:
-            return  # its caller already gave up on it
-        pending.replies[env.rank] = env
-        if len(pending.replies) == len(pending.ranks):
-            c.calls.pop(msg.call_id, None)
-            pending.mesh.abandoned.discard(msg.call_id)
-            if pending.mesh.logs is not None:  # lines held for collapsing: shown before the result
-                pending.mesh.logs.let_go(self._sink(pending), ended=True)
-            c.call_done(pending)
-            if not pending.future.done():
-                pending.future.set_result(pending.replies)
-            if c.listeners:
-                c.changed(pending.mesh)
-        else:
-            if not msg.ok and env.rank not in pending.released:
-                self._keep_early_error(pending, env)
-                c.failed_while_others_run(pending)
-            if c.listeners:  # this rank is idle again while others still run the call
-                c.changed(pending.mesh)
-
-    def _keep_early_error(self, pending: PendingCall, env: codec.Envelope) -> None:
-        """A rank failed while others still run: if they go on (waiting for it in a collective, say), its
-        traceback goes to the call's output, as `"error"` (the call's error shows it again when it ends)."""
-        try:
-            info = codec.loads(env.body, env.buffers)
-        except Exception:
-            return
-        # A collective's "Connection reset by peer" is what another rank's death did to this one: that death
-        # is told (a WorkerDiedError) a moment later, and this would only bury it.
-        if info.exc_type != protocol.RELEASED and not peer_gone(info):
-            pending.early_errors.append((env, info))
-
     def show_early_errors(self, pending: PendingCall) -> None:
         """Show the tracebacks of ranks that failed while the call goes on (a timer thread), grouped as the
         call's error groups them: each distinct one once, with its ranks, in its first rank's place; the
         other ranks' places name the error and where it is shown."""
-        errors, pending.early_errors = pending.early_errors, []
+        errors = self.controller.calls.take_early_errors(pending)
         labels = pending.mesh.labels
         for failure in group_failures([(env.rank, labels[env.rank], info) for env, info in errors]):
             first, *others = failure.ranks
@@ -297,21 +261,6 @@ class Receiver:
             pointer = f"-- {failure.where()}: {failure.exc_type} (shown once, under {labels[first]})\n"
             for rank in others:
                 self.notice(pending, rank, pointer, "error")
-
-    def _on_released(self, env: codec.Envelope) -> None:
-        pending = self.controller.calls.get(env.message.call_id)
-        if pending is not None and pending.mesh.mesh_id == env.mesh_id:
-            pending.released[env.rank] = env.message
-
-    def _on_busy(self, env: codec.Envelope) -> None:
-        for pending in list(self.controller.calls.values()):
-            if pending.call_id == env.message.call_id and pending.mesh.mesh_id == env.mesh_id:
-                pending.busy[env.rank] = env.message
-
-    def _on_stacks(self, env: codec.Envelope) -> None:
-        got = self.controller.stack_replies.get(env.message.token)
-        if got is not None:
-            got[env.rank] = env.message.threads
 
     def notice(self, pending: PendingCall, rank: int, text: str, stream: str = "stderr") -> None:
         """Show a line of the runtime's about `pending` where its output goes, in `rank`'s place."""
@@ -334,7 +283,7 @@ class Receiver:
         pending = c.calls.get(call_id) if call_id is not None else None
         self._deliver(pending, OutputEvent(call_id, env.mesh_id, env.rank, label, stream, text, data, metadata))
 
-    def _sink(self, pending: PendingCall | None) -> Callable[[OutputEvent], None]:
+    def sink(self, pending: PendingCall | None) -> Callable[[OutputEvent], None]:
         """The call's own output (a cell's areas) if it has one, else the controller's."""
         return pending.output if pending is not None and pending.output is not None else self.controller.output
 
@@ -342,7 +291,7 @@ class Receiver:
         """To the call's own output (a cell's areas) if it has one, else the controller's; through the mesh's
         logging options if it has any (`ProcMesh.logging_option`: `as_is`, a line of the runtime's, is never
         collapsed)."""
-        sink = self._sink(pending)
+        sink = self.sink(pending)
         mesh = self.controller.meshes.get(event.mesh_id)
         logs = mesh.logs if mesh is not None else None
         try:

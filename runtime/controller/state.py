@@ -6,7 +6,7 @@ import concurrent.futures
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from monarch.runtime.common.errors import WorkerDiedError
 from monarch.runtime.common.shape import Shape
@@ -98,6 +98,9 @@ class SpawnedMesh:
         return None
 
 
+CallState = Literal["running", "failing", "done", "failed"]
+
+
 @dataclass
 class PendingCall:
     call_id: int
@@ -114,8 +117,9 @@ class PendingCall:
     """What the call runs, for people: ``"%%mesh cell"``, a live function's name."""
     started: float = 0.0
     """`time.monotonic()` when it was sent."""
-    failed: bool = False
-    """Some rank answered with an error while others still ran (their release is being checked)."""
+    state: CallState = "running"
+    """running; failing (a rank answered with an error while others still run it: they are being released
+    from any collective that waits for it); done; failed. Changed by `controller.calls.Calls` only."""
     released: dict[int, protocol.Released] = field(default_factory=dict)
     """Rank -> `protocol.Released`: ranks taken out of a collective the failed rank never reached."""
     hang_reported: bool = False
