@@ -162,8 +162,14 @@ class HostsBackend(Backend):
                                 f"job {self.job.name}: the agent on {host.name} refused: {msg.refused}"
                             )
                         host.info = msg
-            for host in self.hosts:
-                self.transport.connect_agent(host.record.endpoints, self.secret.curve)
+            left = max(1.0, deadline - time.monotonic())
+            slow = self.transport.connect_agents([h.record.endpoints for h in self.hosts], self.secret.curve, left)
+            if slow:
+                names = ", ".join(self.hosts[i].name for i in slow)
+                raise ConnectionError(
+                    f"job {self.job.name}: the command connection to the agent on {names} was not made within "
+                    f"{ATTACH_TIMEOUT:.0f} s (is the job still running? monarch.notebook.list_jobs())"
+                )
         except BaseException:
             self._close_links()
             self._close_wake()

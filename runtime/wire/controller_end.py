@@ -18,6 +18,7 @@ This module is the controller's end; `worker_end` is the workers'. Only the `wir
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import threading
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import zmq
+import zmq.utils.monitor
 
 from monarch.runtime.common import limits
 from monarch.runtime.common.config import Settings
@@ -183,6 +185,32 @@ class ControllerTransport:
             sock.connect(endpoints[name])
 
         self._on_each_socket(connect)
+
+    def connect_agents(self, agents: list[dict[str, str]], curve: AgentCurve, timeout: float) -> list[int]:
+        """`connect_agent` to each of `agents`, then wait up to `timeout` seconds until each command connection
+        is made (its handshake done). Until then an agent's relay has no connection to send up on: a worker's
+        start-up message sent meanwhile would be lost, its relay keeping only subscriptions for a connection
+        that comes later (workers that start within milliseconds of an attach). Returns the indexes of the
+        agents whose connection was not made in time."""
+        with self.send_lock:
+            monitor = self.cmd.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        try:
+            for endpoints in agents:
+                self.connect_agent(endpoints, curve)
+            waiting = {endpoints["cmd"]: i for i, endpoints in enumerate(agents)}
+            deadline = time.monotonic() + timeout
+            while waiting:
+                left = deadline - time.monotonic()
+                if left <= 0 or not monitor.poll(max(1, int(left * 1000))):
+                    break
+                event = zmq.utils.monitor.recv_monitor_message(monitor)
+                waiting.pop(event["endpoint"].decode(), None)
+            return sorted(waiting.values())
+        finally:
+            with self.send_lock:
+                with contextlib.suppress(zmq.ZMQError):
+                    self.cmd.disable_monitor()
+            monitor.close(0)
 
     def disconnect_agent(self, endpoints: dict[str, str]) -> None:
         def disconnect(sock: zmq.Socket[bytes], name: str) -> None:
