@@ -1,0 +1,155 @@
+"""One controller at 8 to 4,096 ranks, on synthetic hosts: how its cost grows.
+
+    python benchmarks/scale.py [--sizes 8,64,512,4096] [--per-host 64] [--calls 20] [--plot benchmarks/scale.png]
+
+Each size runs in a fresh process against `tests/helpers/synthetic_hosts.py`'s agents: real host agents (CURVE
+links with heartbeats, relays, the workers' protocol spoken per rank, each rank's messages signed with its own
+numbers), whose ranks answer from one thread per host instead of one process each, so that this machine holds
+4,096 of them. Ranks are placed `--per-host` to a host (fewer on one host below that). Measured, the
+controller's CPU (`time.process_time`: all its threads) and the wall time, per:
+
+- attach and spawn (the agents already up): `job.spawn_procs` until every rank said Ready;
+- a no-op live function on every rank (mean of `--calls` after one warm-up);
+- one printed line from every rank, until the call returns (every line handed to the output first);
+- one rank failing: until the grouped `RemoteError` naming it is raised.
+
+The synthetic hosts share this machine's cores with the controller: the wall times include their work, the
+CPU figures do not. Prints a markdown table; `--plot` draws the controller's CPU per call against ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.join(os.path.dirname(HERE), "tests")
+
+ONE_SIZE = """
+import json, sys, tempfile, time
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+import monarch, monarch.notebook
+from monarch.runtime.controller import get_controller
+from helpers.synthetic_hosts import SyntheticJob, fail_on, noop, say
+
+hosts, per_host, calls = {hosts}, {per_host}, {calls}
+ranks = hosts * per_host
+out = {{"ranks": ranks, "hosts": hosts}}
+job = SyntheticJob(Path(tempfile.mkdtemp()), "scale", hosts=hosts)
+out["agents_up_s"] = job.start(timeout=600)
+try:
+    def timed(fn):
+        c0, t0 = time.process_time(), time.perf_counter()
+        fn()
+        return time.process_time() - c0, time.perf_counter() - t0
+
+    got = {{}}
+    out["spawn_cpu_s"], out["spawn_s"] = timed(
+        lambda: got.setdefault("mesh", monarch.notebook.job("scale").spawn_procs({{"gpu": per_host}})))
+    mesh = got["mesh"]
+    assert noop.on(mesh)().values() == [None] * ranks
+    cpu, wall = timed(lambda: [noop.on(mesh)() for _ in range(calls)])
+    out["noop_cpu_ms"], out["noop_ms"] = 1e3 * cpu / calls, 1e3 * wall / calls
+    lines = []
+    controller = get_controller()
+    controller.output, shown = lines.append, controller.output  # (counted, not printed)
+    try:
+        out["print_cpu_ms"], out["print_ms"] = (1e3 * x for x in timed(lambda: say.on(mesh)("a line")))
+    finally:
+        controller.output = shown
+    assert len(lines) == ranks, len(lines)
+
+    def fails():
+        try:
+            fail_on.on(mesh)(ranks - 3)
+        except monarch.RemoteError as e:
+            assert f"rank {{ranks - 3}} " in str(e), str(e)
+        else:
+            raise AssertionError("no error")
+
+    out["fail_cpu_ms"], out["fail_ms"] = (1e3 * x for x in timed(fails))
+    mesh.exit()
+finally:
+    left = job.stop()
+    assert not left, left
+print("RESULT " + json.dumps(out))
+"""
+
+
+def one_size(hosts: int, per_host: int, calls: int) -> dict:
+    script = ONE_SIZE.format(tests=TESTS, hosts=hosts, per_host=per_host, calls=calls)
+    with tempfile.TemporaryDirectory() as jobs:
+        env = dict(os.environ, MONARCH_JOBS_DIR=jobs)
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=1800)
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise RuntimeError(f"{hosts} hosts x {per_host}: rc {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+
+
+def table(rows: list[dict]) -> str:
+    out = [
+        "| ranks (hosts) | attach + spawn | no-op call: controller CPU / wall | a line from every rank | one rank of all failing |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['ranks']:,} ({r['hosts']}) | {r['spawn_s']:.2f} s | {r['noop_cpu_ms']:.2f} / {r['noop_ms']:.2f} ms "
+            f"| {r['print_cpu_ms']:.1f} / {r['print_ms']:.1f} ms | {r['fail_cpu_ms']:.1f} / {r['fail_ms']:.1f} ms |"
+        )
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = [r["ranks"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    for key, label in (("noop_cpu_ms", "no-op call"), ("print_cpu_ms", "a line from every rank"),
+                       ("fail_cpu_ms", "one rank failing")):  # fmt: skip
+        ax.plot(ranks, [r[key] for r in rows], marker="o", label=label)
+    for r in rows:
+        ax.annotate(f"{r['hosts']} host{'s' if r['hosts'] > 1 else ''}", (r["ranks"], r["noop_cpu_ms"]),
+                    textcoords="offset points", xytext=(4, -12), fontsize=8)  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("controller CPU per call (ms)")
+    ax.set_title("one controller, synthetic hosts")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="8,64,512,4096", help="rank counts, comma-separated")
+    ap.add_argument("--per-host", type=int, default=64, help="ranks per synthetic host")
+    ap.add_argument("--calls", type=int, default=20, help="no-op calls timed per size")
+    ap.add_argument("--plot", default="", help="where to draw the PNG (none without)")
+    args = ap.parse_args()
+    rows = []
+    for ranks in (int(s) for s in args.sizes.split(",")):
+        per_host = min(ranks, args.per_host)
+        if ranks % per_host:
+            raise SystemExit(f"--sizes: {ranks} ranks is not a multiple of --per-host {per_host}")
+        rows.append(one_size(ranks // per_host, per_host, args.calls))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    print(table(rows))
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
