@@ -25,7 +25,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(os.path.dirname(HERE), "tests")
@@ -90,7 +89,9 @@ def one_size(hosts: int, per_host: int, calls: int) -> dict:
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
-    raise RuntimeError(f"{hosts} hosts x {per_host}: rc {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    raise RuntimeError(
+        f"{hosts} hosts x {per_host}: rc {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    )
 
 
 def table(rows: list[dict]) -> str:
