@@ -1,6 +1,7 @@
 """One controller at 8 to 4,096 ranks, on synthetic hosts: how its cost grows.
 
     python benchmarks/scale.py [--sizes 8,64,512,4096] [--per-host 64] [--calls 20] [--plot benchmarks/scale.png]
+                               [--no-bundles]
 
 Each size runs in a fresh process against `tests/helpers/synthetic_hosts.py`'s agents: real host agents (CURVE
 links with heartbeats, relays, the workers' protocol spoken per rank, each rank's messages signed with its own
@@ -9,7 +10,10 @@ numbers), whose ranks answer from one thread per host instead of one process eac
 controller's CPU (`time.process_time`: all its threads) and the wall time, per:
 
 - attach and spawn (the agents already up): `job.spawn_procs` until every rank said Ready;
-- a no-op live function on every rank (mean of `--calls` after one warm-up);
+- a no-op live function on every rank (mean of `--calls` after one warm-up), and the messages it reached the
+  controller in (each host's agent bundles its ranks' replies: `runtime/wire/fanin.py`; `--no-bundles` turns
+  that off, `MONARCH_BUNDLE_WAIT_US=0`, for the figures without it);
+- an actor endpoint `call()` on an actor on every rank (mean of `--calls`);
 - one printed line from every rank, until the call returns (every line handed to the output first);
 - one rank failing: until the grouped `RemoteError` naming it is raised.
 
@@ -35,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, {tests!r})
 import monarch, monarch.notebook
 from monarch.runtime.controller import get_controller
-from helpers.synthetic_hosts import SyntheticJob, fail_on, noop, say
+from helpers.synthetic_hosts import Counter, SyntheticJob, fail_on, noop, say
 
 hosts, per_host, calls = {hosts}, {per_host}, {calls}
 ranks = hosts * per_host
@@ -53,8 +57,15 @@ try:
         lambda: got.setdefault("mesh", monarch.notebook.job("scale").spawn_procs({{"gpu": per_host}})))
     mesh = got["mesh"]
     assert noop.on(mesh)().values() == [None] * ranks
+    transport = get_controller().backend.transport
+    bundles = transport.bundles
     cpu, wall = timed(lambda: [noop.on(mesh)() for _ in range(calls)])
     out["noop_cpu_ms"], out["noop_ms"] = 1e3 * cpu / calls, 1e3 * wall / calls
+    out["noop_bundles"] = (transport.bundles - bundles) / calls
+    counters = mesh.spawn("counters", Counter)
+    assert counters.incr.call().get().values() == [1] * ranks
+    cpu, wall = timed(lambda: [counters.incr.call().get() for _ in range(calls)])
+    out["actor_cpu_ms"], out["actor_ms"] = 1e3 * cpu / calls, 1e3 * wall / calls
     lines = []
     controller = get_controller()
     controller.output, shown = lines.append, controller.output  # (counted, not printed)
@@ -81,10 +92,12 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def one_size(hosts: int, per_host: int, calls: int) -> dict:
+def one_size(hosts: int, per_host: int, calls: int, bundles: bool = True) -> dict:
     script = ONE_SIZE.format(tests=TESTS, hosts=hosts, per_host=per_host, calls=calls)
     with tempfile.TemporaryDirectory() as jobs:
         env = dict(os.environ, MONARCH_JOBS_DIR=jobs)
+        if not bundles:
+            env["MONARCH_BUNDLE_WAIT_US"] = "0"
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=1800)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -96,38 +109,46 @@ def one_size(hosts: int, per_host: int, calls: int) -> dict:
 
 def table(rows: list[dict]) -> str:
     out = [
-        "| ranks (hosts) | attach + spawn | no-op call: controller CPU / wall | a line from every rank | one rank of all failing |",
-        "| --- | --- | --- | --- | --- |",
+        "| ranks (hosts) | attach + spawn | no-op call: controller CPU / wall | messages per call | actor `call()` "
+        "| a line from every rank | one rank of all failing |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         out.append(
             f"| {r['ranks']:,} ({r['hosts']}) | {r['spawn_s']:.2f} s | {r['noop_cpu_ms']:.2f} / {r['noop_ms']:.2f} ms "
+            f"| {r['noop_bundles'] or r['ranks']:g} | {r['actor_cpu_ms']:.2f} / {r['actor_ms']:.2f} ms "
             f"| {r['print_cpu_ms']:.1f} / {r['print_ms']:.1f} ms | {r['fail_cpu_ms']:.1f} / {r['fail_ms']:.1f} ms |"
         )
     return "\n".join(out)
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(runs: dict[str, list[dict]], path: str) -> None:
+    """The controller's CPU per call against ranks: each of `runs` (label -> rows), the first drawn solid."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ranks = [r["ranks"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
-    for key, label in (("noop_cpu_ms", "no-op call"), ("print_cpu_ms", "a line from every rank"),
-                       ("fail_cpu_ms", "one rank failing")):  # fmt: skip
-        ax.plot(ranks, [r[key] for r in rows], marker="o", label=label)
-    for r in rows:
-        ax.annotate(f"{r['hosts']} host{'s' if r['hosts'] > 1 else ''}", (r["ranks"], r["noop_cpu_ms"]),
-                    textcoords="offset points", xytext=(4, -12), fontsize=8)  # fmt: skip
+    fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=120)
+    colors = {}
+    for n, (run, rows) in enumerate(runs.items()):
+        ranks = [r["ranks"] for r in rows]
+        for key, label in (("noop_cpu_ms", "no-op call"), ("actor_cpu_ms", "actor call()"),
+                           ("print_cpu_ms", "a line from every rank"), ("fail_cpu_ms", "one rank failing")):  # fmt: skip
+            line = ax.plot(ranks, [r[key] for r in rows], marker="o", linestyle="-" if n == 0 else "--",
+                           color=colors.get(key), label=f"{label}, {run}")  # fmt: skip
+            colors[key] = line[0].get_color()
+        if n == 0:
+            for r in rows:
+                ax.annotate(f"{r['hosts']} host{'s' if r['hosts'] > 1 else ''}", (r["ranks"], r["noop_cpu_ms"]),
+                            textcoords="offset points", xytext=(4, -12), fontsize=8)  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("ranks")
+    ax.set_xlabel("ranks (64 per host from 64)")
     ax.set_ylabel("controller CPU per call (ms)")
     ax.set_title("one controller, synthetic hosts")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
 
@@ -138,17 +159,23 @@ def main() -> None:
     ap.add_argument("--per-host", type=int, default=64, help="ranks per synthetic host")
     ap.add_argument("--calls", type=int, default=20, help="no-op calls timed per size")
     ap.add_argument("--plot", default="", help="where to draw the PNG (none without)")
+    ap.add_argument("--no-bundles", action="store_true", help="host agents send each message up as it came")
+    ap.add_argument("--compare", action="store_true", help="each size with bundles and without, side by side")
     args = ap.parse_args()
-    rows = []
+    modes = [True, False] if args.compare else [not args.no_bundles]
+    runs: dict[str, list[dict]] = {}
     for ranks in (int(s) for s in args.sizes.split(",")):
         per_host = min(ranks, args.per_host)
         if ranks % per_host:
             raise SystemExit(f"--sizes: {ranks} ranks is not a multiple of --per-host {per_host}")
-        rows.append(one_size(ranks // per_host, per_host, args.calls))
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    print(table(rows))
+        for bundles in modes:
+            row = one_size(ranks // per_host, per_host, args.calls, bundles)
+            runs.setdefault("bundled" if bundles else "one message per rank", []).append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    for run, rows in runs.items():
+        print(f"\n{run}:\n{table(rows)}")
     if args.plot:
-        plot(rows, args.plot)
+        plot(runs, args.plot)
         print(f"plot: {args.plot}")
 
 

@@ -113,10 +113,19 @@ class Future(Generic[T]):
         labels = pending.mesh.labels
         values, failed, released = [], [], []
         loads = _loader()
+        # id(envelope) -> its value: a host's agent sends an equal reply once for its ranks (`wire/fanin.py`), one
+        # envelope for them all, unpickled once when its value cannot be changed (a list would be one list)
+        shared: dict[int, Any] = {}
         for rank in self._shape.ranks:
             env = replies[rank]
+            obj = shared.get(id(env), _NONE)
+            if obj is not _NONE:
+                values.append(obj)
+                continue
             try:
                 obj = loads(env.body, env.buffers)
+                if type(obj) in _IMMUTABLE and env.message.ok:
+                    shared[id(env)] = obj
             except Exception as e:
                 info = protocol.ErrorInfo(type(e).__qualname__, f"result cannot be unpickled here: {e}", "")
                 failed.append((rank, labels[rank], info))
@@ -157,6 +166,10 @@ class Done(Generic[T]):
     def __await__(self):
         return self._value
         yield  # (a generator: `await` takes its return value)
+
+
+_NONE = object()
+_IMMUTABLE = frozenset((type(None), bool, int, float, complex, str, bytes))
 
 
 def _loader() -> Callable[[Any, Any], Any]:

@@ -82,6 +82,39 @@ def test_a_mesh_on_two_hosts_runs_collectives_over_host_and_gpu(job, mesh):
             assert "libtorch" not in f.read()
 
 
+@monarch.remote
+def speak() -> int:
+    print("the same line on every rank")
+    print(f"rank {os.environ['RANK']} says")
+    return int(os.environ["RANK"]) // 2
+
+
+def test_replies_and_output_come_bundled_by_the_agents_and_read_as_before(mesh, capfd):
+    """Each host's agent bundles its workers' replies and output (`runtime/wire/fanin.py`): what the user gets is
+    what they got before, each rank's lines in its own place and order."""
+    from monarch.runtime.controller import get_controller
+
+    transport = get_controller().backend.transport
+    before = transport.bundles
+    assert speak.on(mesh)().values() == [0, 0, 1, 1]
+    assert transport.bundles > before
+    out = capfd.readouterr().out
+    for rank in range(4):
+        label = f"host={rank // 2},gpu={rank % 2}"
+        mine = [line for line in out.splitlines() if line.startswith(f"[{label}] ")]
+        assert mine == [f"[{label}] the same line on every rank", f"[{label}] rank {rank} says"], out
+
+
+def test_stacks_of_ranks_on_two_hosts_come_bundled_and_read_grouped(mesh):
+    from monarch.runtime.controller import get_controller
+
+    transport = get_controller().backend.transport
+    before = transport.bundles
+    text = str(mesh.stacks())
+    assert "-- ranks 0-3:\n  MainThread: idle" in text, text
+    assert transport.bundles > before
+
+
 def test_the_tensor_engine_reduces_across_hosts_and_moves_between_them(mesh):
     with mesh.activate():
         r = torch.ones(3).mul(float(1)).reduce("host", "sum")

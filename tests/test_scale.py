@@ -1,6 +1,9 @@
 """One controller, 512 ranks: 8 synthetic hosts of 64 ranks each (`helpers/synthetic_hosts.py`: real host
 agents, real CURVE links and relays, the workers' protocol spoken per rank; only the workers' work is
-synthetic). What a user sees of a call, its output and its errors at that size."""
+synthetic). What a user sees of a call, its output and its errors at that size, and how it came: each host's
+agent bundles its ranks' replies and output (`runtime/wire/fanin.py`). The agents here hold a call's replies
+until all of their ranks answered (a wait of a minute instead of milliseconds), so that what is counted does not
+depend on how fast this machine is."""
 
 from __future__ import annotations
 
@@ -10,9 +13,10 @@ import pytest
 
 import monarch
 import monarch.notebook
+from monarch.runtime.controller import get_controller
 
 from conftest import pid_alive
-from helpers.synthetic_hosts import SyntheticJob, fail_on, noop, rank_of, say
+from helpers.synthetic_hosts import Counter, SyntheticJob, fail_on, noop, rank_of, say
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,7 +26,7 @@ RANKS = HOSTS * PER_HOST
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    j = SyntheticJob(tmp_path_factory.mktemp("scale"), "scale", hosts=HOSTS)
+    j = SyntheticJob(tmp_path_factory.mktemp("scale"), "scale", hosts=HOSTS, env={"MONARCH_BUNDLE_WAIT_US": "60e6"})
     j.start()
     yield j
     assert j.stop() == []
@@ -36,6 +40,31 @@ def mesh(job):
     m = monarch.notebook.job(job.name).spawn_procs({"gpu": PER_HOST})
     yield m
     m.exit()
+
+
+class Came:
+    """Bundles (and their items) the controller took during a block."""
+
+    def __enter__(self) -> Came:
+        self.transport = get_controller().backend.transport
+        self.start = (self.transport.bundles, self.transport.bundled)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bundles = self.transport.bundles - self.start[0]
+        self.items = self.transport.bundled - self.start[1]
+
+
+def test_a_call_on_512_ranks_reaches_the_controller_as_one_bundle_per_host(mesh):
+    with Came() as came:
+        assert noop.on(mesh)().values() == [None] * RANKS
+    assert (came.bundles, came.items) == (HOSTS, HOSTS)  # 64 equal answers: one item, its ranks
+    with Came() as came:
+        assert rank_of.on(mesh)().values() == list(range(RANKS))
+    assert (came.bundles, came.items) == (HOSTS, RANKS)  # distinct values: each its own item, still one bundle
+    with Came() as came:
+        assert rank_of.on(mesh.slice(host=slice(2, 4), gpu=slice(0, 3)))().values() == [128, 129, 130, 192, 193, 194]
+    assert (came.bundles, came.items) == (2, 6)  # only the view's hosts, as soon as the view's ranks there answered
 
 
 def test_a_call_gets_every_ranks_value_in_rank_order(mesh):
@@ -56,7 +85,24 @@ def test_one_failing_rank_of_512_is_named_and_the_mesh_goes_on(mesh):
 
 
 def test_a_line_from_every_rank_arrives_once_with_its_label(mesh, capfd):
-    say.on(mesh)("hello from the harness")
+    with Came() as came:
+        say.on(mesh)("hello from the harness")
+    assert (came.bundles, came.items) == (HOSTS, 2 * HOSTS)  # per host: the line once, the answer once
     out = capfd.readouterr().out
     labels = re.findall(r"^\[(host=\d+,gpu=\d+)\] hello from the harness$", out, re.M)
     assert len(labels) == RANKS and len(set(labels)) == RANKS, out[-2000:]
+
+
+def test_actors_on_512_ranks_answer_a_call_in_one_bundle_per_host_and_a_failing_one_is_named(mesh):
+    counters = mesh.spawn("counters", Counter)
+    with Came() as came:
+        assert counters.incr.call().get().values() == [1] * RANKS
+    assert (came.bundles, came.items) == (HOSTS, HOSTS)
+    assert counters.rank.call().get().values() == list(range(RANKS))
+    one = counters.slice(host=7, gpu=63)
+    assert one.incr.call_one().get() == 2
+    with pytest.raises(monarch.RemoteError) as e:
+        counters.fail_on.call(300).get()
+    assert f"failed on 1 of {RANKS} ranks" in str(e.value), str(e.value)
+    assert "ValueError: actor 300 fails on purpose" in str(e.value), str(e.value)
+    assert counters.incr.call().get().values() == [2] * (RANKS - 1) + [3]

@@ -18,7 +18,7 @@ TAGS = {
     "AgentHello": 38, "AgentInfo": 39, "StartWorkers": 40, "SignalWorkers": 41, "StopWorkers": 42,
     "WorkersStopped": 43, "WorkerLost": 44, "SyncOffer": 45, "SyncWant": 46, "SyncFiles": 47, "Synced": 48,
     "Stacks": 49, "Goodbye": 50, "ActorSend": 51, "ActorAnswer": 52, "Cast": 53,
-    "CastFailed": 54, "PortSend": 55, "CallActor": 56, "ReadyTorch": 57,
+    "CastFailed": 54, "PortSend": 55, "CallActor": 56, "ReadyTorch": 57, "Bundle": 58,
 }  # fmt: skip
 """Every message's wire tag. A new message takes a new number; an existing one never changes."""
 

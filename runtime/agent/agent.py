@@ -74,7 +74,9 @@ class Agent:
         self.monitor = self.ctl.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         heartbeat(self.ctl)
         self.ctl.bind(f"tcp://{cfg.bind_addr}:0")
-        self.relay = Relay(self.ctx, cfg.bind_addr, self.secret.curve, self.dir, self.log)
+        self.relay = Relay(
+            self.ctx, cfg.bind_addr, self.secret.curve, self.dir, self.log, cfg.index, settings.bundle_wait
+        )
         self.procs = WorkerProcs(settings, self.dir, self._lost)
         self.meshes: dict[int, _Mesh] = {}
         self.attached: bytes | None = None
@@ -224,11 +226,17 @@ class Agent:
         self.attached, self.attached_fd, self.controller = None, -1, ""
 
     # -- workers -----------------------------------------------------------------------------------------
-    def _start(self, msg: protocol.StartWorkers) -> None:
+    def admit(self, msg: protocol.StartWorkers) -> list[int]:
+        """This host's ranks of the mesh `msg` starts: their topics allowed, their messages bundled."""
         ranks = [s[0] for s in msg.starts]
         topics = [msg.starts[0][4][1]] + [s[4][2] for s in msg.starts] if msg.starts else []
         self.meshes[msg.mesh_id] = _Mesh(ranks, topics)
-        self.relay.allow(topics)
+        if msg.starts:
+            self.relay.add_mesh(msg.mesh_id, msg.starts[0][4][0], ranks, topics)
+        return ranks
+
+    def _start(self, msg: protocol.StartWorkers) -> None:
+        ranks = self.admit(msg)
         path = self.procs.add(msg.mesh_id, msg.size, len(ranks))
         self.procs.started(msg.mesh_id, True)  # every exit from now on is news for the controller
         local = len(msg.starts)

@@ -5,23 +5,28 @@ private directory).
   local command socket, which reaches every worker subscribed to its (secret) topic. Workers' subscriptions
   and start-up messages go the other way: a subscription to a topic the agent was given is applied here and
   passed up (so the controller sends this host the mesh's commands), the start-up message after it.
-- Replies, output, input requests: straight up (a ZeroMQ proxy, no Python per message).
+- Replies and output: checked, held for a moment and sent up in bundles, one per mesh, each distinct message once
+  with the ranks that sent it (`wire/fanin.py`); anything else (input requests, stacks, large messages) goes up
+  as it came, after what its mesh's ranks sent before it.
 - The store: each request goes up with the worker's identity and an empty frame before it, each answer
   comes back the same way and goes to that worker.
 
-Messages pass unchanged: they are signed with their mesh's key, which the controller checks; the agent
-neither signs nor needs to read them (a worker's start-up message is read only to learn it is up).
+Messages that are not bundled pass unchanged: they are signed with their mesh's key, which the controller checks
+(a worker's start-up message is read only to learn it is up). A bundle is signed by the agent with the same key,
+after it checked each message in it.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 import traceback
 from typing import Any
 
 import zmq
 
+from monarch.runtime.wire.fanin import FanIn
 from monarch.runtime.wire.keys import TOPIC, UPSTREAM, AgentCurve
 from monarch.runtime.wire.links import heartbeat
 
@@ -31,11 +36,22 @@ _NOBLOCK = int(zmq.NOBLOCK)
 class Relay:
     """The six sockets and the three threads that move messages between them."""
 
-    def __init__(self, ctx: zmq.Context, bind_addr: str, curve: AgentCurve, directory: str, log: Any) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        bind_addr: str,
+        curve: AgentCurve,
+        directory: str,
+        log: Any,
+        index: int = 0,
+        bundle_wait: float = 0.002,
+    ) -> None:
         self.ctx = ctx
         self.log = log
         self.topics: set[bytes] = set()
         """Topics of the meshes this host runs (workers may subscribe to these only)."""
+        self.mesh_of: dict[bytes, int] = {}
+        """Topic -> the mesh it is of (commands on it are looked at by the fan-in)."""
         self._lock = threading.Lock()
         # toward the controller: bound on this host's address, CURVE servers admitting the job's client key
         self.up_cmd = self._socket(zmq.XSUB, curve)
@@ -54,6 +70,7 @@ class Relay:
         for sock, name in ((self.cmd, "cmd"), (self.reply, "reply"), (self.store, "store")):
             sock.bind(f"ipc://{directory}/{name}")
             self.local[name] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.fanin = FanIn(index, self._send_up, log, bundle_wait)
         self._stop_r, self._stop_w = os.pipe()
         self._wake_r, self._wake_w = os.pipe()
         self._unsubscribe: list[bytes] = []
@@ -81,12 +98,22 @@ class Relay:
         with self._lock:
             self.topics.update(topics)
 
+    def add_mesh(self, mesh_id: int, key: bytes, ranks: list[int], topics: list[bytes]) -> None:
+        """This host runs `ranks` of mesh `mesh_id` (signed with `key`; commands come on `topics`)."""
+        self.fanin.add_mesh(mesh_id, key, ranks)
+        for topic in topics:
+            self.mesh_of[topic] = mesh_id
+        self.allow(topics)
+
     def forbid(self, topics: list[bytes]) -> None:
         """The mesh of `topics` is gone: this host unsubscribes from them (a controller that connects later
         would otherwise be told of them again)."""
         with self._lock:
             self.topics.difference_update(topics)
             self._unsubscribe.extend(topics)
+            mesh_ids = {self.mesh_of.pop(t) for t in topics if t in self.mesh_of}
+        for mesh_id in mesh_ids:
+            self.fanin.remove_mesh(mesh_id)
         os.write(self._wake_w, b"u")
 
     # -- the threads -------------------------------------------------------------------------------------
@@ -115,6 +142,8 @@ class Relay:
                             frames = self.up_cmd.recv_multipart(_NOBLOCK, copy=False)
                         except zmq.Again:
                             break
+                        if len(frames) == 1:
+                            self._look_at(frames[0].buffer)
                         self.cmd.send_multipart(frames, copy=False)
                 if self.cmd in ready:
                     while True:
@@ -145,11 +174,44 @@ class Relay:
             self.up_cmd.send(first)
         # (an unsubscription of a topic, made when a worker's connection closes, stays here)
 
+    def _look_at(self, frame: memoryview) -> None:
+        """A command on its way down: the fan-in learns from a `Call` how many replies it brings."""
+        mesh_id = self.mesh_of.get(bytes(frame[:TOPIC]))
+        if mesh_id is not None:
+            self.fanin.saw_command(mesh_id, frame[TOPIC:])
+
+    def _send_up(self, frames: Any) -> None:
+        self.up_reply.send_multipart(frames, copy=False)
+
     def _replies(self) -> None:
-        try:
-            zmq.proxy(self.reply, self.up_reply)
-        except zmq.ZMQError:  # the sockets were closed: the agent is ending
-            pass
+        """Replies, output and the rest, up: through the fan-in, which bundles them."""
+        poller = zmq.Poller()
+        poller.register(self.reply, zmq.POLLIN)
+        poller.register(self._stop_r, zmq.POLLIN)
+        fanin = self.fanin
+        while True:
+            try:
+                due = fanin.due()
+                timeout = None if due is None else max(0.0, due - time.monotonic()) * 1000
+                ready = dict(poller.poll(timeout))
+                if self._stop_r in ready:
+                    return
+                if self.reply in ready:
+                    for _ in range(4096):  # (then the held messages' time is looked at)
+                        try:
+                            frames = self.reply.recv_multipart(_NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        fanin.take(frames)
+                fanin.flush_due(time.monotonic())
+            except zmq.ContextTerminated:
+                return
+            except zmq.ZMQError:
+                if self.reply.closed or self.up_reply.closed:
+                    return  # the agent is ending
+                self.log("the reply relay", traceback.format_exc(limit=3))
+            except Exception:
+                self.log("the reply relay", traceback.format_exc(limit=3))
 
     def _store(self) -> None:
         poller = zmq.Poller()
@@ -188,5 +250,5 @@ class Relay:
 
     def close(self) -> None:
         os.write(self._stop_w, b"x")
-        for t in self._threads[::2]:
+        for t in self._threads:
             t.join(2)

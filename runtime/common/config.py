@@ -74,6 +74,11 @@ class Settings:
     83-108); more, where each and the controller could have a core to itself with CPUs in hyperthread pairs
     (`backends.local.spins`; 16 CPUs and 8 workers polling read faster in some runs, slower in others). 0
     turns it off."""
+    bundle_wait: float = 0.002
+    """[MONARCH_BUNDLE_WAIT_US, in µs] How long a host agent holds its workers' replies and output for more of the
+    same call's to join them, so that they go to the controller as one bundle (`wire/fanin.py`): a call's replies
+    go at once when all of the host's ranks it addressed answered, and anything else goes at least this soon.
+    0 turns bundling off (each message goes up as it came)."""
     prewarm: bool = True
     """[MONARCH_PREWARM] ``1`` (the default) or ``0``: whether the Monarch kernel starts the workers' fork server
     (the process that imports torch once, workers being forked from it) as the kernel starts, so that its
@@ -88,6 +93,7 @@ _ENV = {
     "group_timeout": "MONARCH_GROUP_TIMEOUT",
     "spin": "MONARCH_SPIN_US",
     "worker_spin": "MONARCH_WORKER_SPIN_US",
+    "bundle_wait": "MONARCH_BUNDLE_WAIT_US",
     "send_hwm": "MONARCH_SEND_HWM",
     "send_stall": "MONARCH_SEND_STALL",
     "frozen_after": "MONARCH_FROZEN_AFTER",
@@ -132,7 +138,7 @@ def from_env(env: dict[str, str] | os._Environ = os.environ) -> Settings:
             values[field] = text
         elif field == "bind_addr":
             values[field] = text
-        elif field in ("spin", "worker_spin"):
+        elif field in ("spin", "worker_spin", "bundle_wait"):
             values[field] = _number(var, text, float, 0) / 1e6
         elif field in _SWITCHES:
             if text.strip().lower() not in ("0", "1", "false", "true", "no", "yes"):

@@ -124,6 +124,24 @@ class Calls:
         if c.listeners:  # this rank is idle again while others still run the call
             c.changed(pending.mesh)
 
+    def reply_group(self, env: codec.Envelope, ranks: tuple[int, ...]) -> None:
+        """The same `Reply` from each of `ranks` (a host's bundle): one envelope shared by them all."""
+        pending = self._calls.get(env.message.call_id)
+        if pending is None or pending.mesh.mesh_id != env.mesh_id:
+            return
+        replies = pending.replies
+        if env.message.ok:
+            replies.update(dict.fromkeys(ranks, env))
+            if len(replies) == len(pending.ranks):
+                self._done(pending)
+            elif self.controller.listeners:
+                self.controller.changed(pending.mesh)
+            return
+        for rank in ranks:  # (an error: each rank's own envelope, as its early error names it)
+            self.reply(codec.Envelope(env.mesh_id, rank, env.seq, env.message, env.body, env.buffers))
+            if pending.state in ("done", "failed"):
+                return
+
     def _done(self, pending: PendingCall) -> None:
         """Every rank answered. If ranks were released from a collective, their groups are broken (and the
         failed rank's, whose peers shut their connections): re-form them before anything else runs on the

@@ -81,6 +81,7 @@ class Receiver:
             protocol.Stacks: controller.watchdogs.took_stacks,
             protocol.CastFailed: self._on_cast_failed,
             protocol.PortSend: self._on_port_send,
+            protocol.Bundle: self._on_bundle,
         }
         self.taps: list[Callable[[OutputEvent], None]] = []
         """Also given every output event, after its sink (the script debugger shows its ranks' output)."""
@@ -328,6 +329,19 @@ class Receiver:
         except Exception as e:
             ok, value = False, RuntimeError(f"a message to a port could not be unpickled here: {type(e).__name__}: {e}")
         ports.take(msg.port_id, msg.rank, ok, value)
+
+    def _on_bundle(self, env: codec.Envelope) -> None:
+        """A host's messages to one mesh, bundled by its agent (checked by the transport, `wire/fanin.py`): a reply's
+        ranks at once (`Calls.reply_group`); anything else to its handler once per rank (a line in each rank's
+        place, each rank's report)."""
+        on_reply, handlers = self.controller.calls.reply_group, self._handlers
+        for ranks, message, body in env.message.items:
+            if type(message) is protocol.Reply:
+                on_reply(codec.Envelope(env.mesh_id, ranks[0], env.seq, message, body, []), ranks)
+                continue
+            handler = handlers[type(message)]
+            for rank in ranks:
+                handler(codec.Envelope(env.mesh_id, rank, env.seq, message, body, []))
 
     def _on_output(self, env: codec.Envelope) -> None:
         self._event(env, env.message.stream, env.message.text)

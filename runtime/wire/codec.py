@@ -277,8 +277,16 @@ def loads(body: bytes | memoryview, buffers: Iterable[bytes | memoryview] = ()) 
 _ENVELOPE = struct.Struct("<IiQI")
 """mesh id, sender rank (-1: the controller), sequence number, header length."""
 _FIXED = SIG + _ENVELOPE.size
+FIXED = _FIXED
+"""Bytes before a message's header: its signature and envelope."""
 CONTROLLER = -1
 """The sender rank of messages from the controller."""
+
+
+def sender(first: memoryview | bytes) -> tuple[int, int]:
+    """The (mesh id, rank) a message's first frame claims to be from (at least `FIXED` bytes; not checked)."""
+    mesh_id, rank, _, _ = _ENVELOPE.unpack_from(first, SIG)
+    return mesh_id, rank
 
 
 @dataclass(slots=True)

@@ -33,7 +33,7 @@ import zmq.utils.monitor
 from monarch.runtime.common import limits
 from monarch.runtime.common.config import Settings
 from monarch.runtime.common.log import RateLimitedLog
-from monarch.runtime.wire import codec, lanes, protocol
+from monarch.runtime.wire import codec, fanin, lanes, protocol
 from monarch.runtime.wire.hold import HOLD, _Swap
 from monarch.runtime.wire.keys import HELLO, TOPIC, UPSTREAM, AgentCurve, ServerCurve, WorkerKeys
 from monarch.runtime.wire.lanes import Lane, LaneServer
@@ -47,6 +47,8 @@ REPLY_HWM = 10_000
 holds its output until the controller reads; its memory, not ours)."""
 JUNK_HWM = 16
 """Messages queued from one connection on sockets where only start-up messages are expected."""
+AGENTS = fanin.agent_sender(0)
+"""Sender ranks at or below this are host agents (`wire/fanin.py`), whose messages are `Bundle`s."""
 POKE = object()
 """`ControllerTransport.recv`'s answer for a poke: an empty message that wakes a blocked receiver."""
 DROPPED = object()
@@ -77,6 +79,8 @@ class _Mesh:
     from one counter but may arrive in either order (output sent just after `Ready` can overtake it)."""
     goodbyes: set[int] = field(default_factory=set)
     """Ranks whose `Goodbye` arrived: all they sent before it has arrived too."""
+    agents_seen: dict[int, int] = field(default_factory=dict)
+    """Per host agent (its sender rank, `fanin.agent_sender`): the sequence number of its last `Bundle`."""
     lanes: list[Lane | None] | None = None
     """Per rank, the worker's lane once its first message came (`wire/lanes.py`); None: the mesh's workers
     use the command and reply sockets."""
@@ -160,6 +164,9 @@ class ControllerTransport:
             self.lanes.watch(cast(int, self.reply.getsockopt(zmq.FD)))
         self._zmq_maybe = True
         """Whether the reply socket may hold a message (lanes: it is read until empty before the epoll waits)."""
+        self.bundles = 0
+        self.bundled = 0
+        """Host agents' bundles taken, and the items in them (for tests and benchmarks: how replies came)."""
         self.on_startup: Callable[[codec.Envelope], None] | None = None
         """Takes start-up messages (`Ready`, `StartFailed`) that came over a lane (set by the local backend)."""
 
@@ -470,7 +477,7 @@ class ControllerTransport:
 
     def _key_of(self, mesh_id: int, rank: int) -> bytes | None:
         mesh = self._meshes.get(mesh_id)
-        return mesh.key if mesh is not None and 0 <= rank < len(mesh.seen) else None
+        return mesh.key if mesh is not None and (0 <= rank < len(mesh.seen) or rank <= AGENTS) else None
 
     def _verify(
         self, frames: Sequence[zmq.Frame | memoryview | bytes], upstream: bool = False, lane: Lane | None = None
@@ -480,6 +487,8 @@ class ControllerTransport:
             mesh = self._meshes.get(env.mesh_id)
             if mesh is None:
                 return DROPPED  # stopped meanwhile
+            if env.rank <= AGENTS:
+                return self._bundle(env, mesh, upstream or lane is not None)
             if lane is not None and lane.owner != (env.mesh_id, env.rank) and not self._bind(lane, mesh, env):
                 return DROPPED
             seen = mesh.hello_seen if upstream else mesh.seen
@@ -501,6 +510,35 @@ class ControllerTransport:
         else:
             self.log("a message", why)
         return DROPPED
+
+    def _bundle(self, env: codec.Envelope, mesh: _Mesh, misplaced: bool) -> Any:
+        """A host agent's `Bundle` (signature checked): its number is new, it is a bundle, each of its items names
+        ranks of the mesh and a message a worker sends up; the receiver acts on each."""
+        who = f"the agent of host {AGENTS - env.rank} (mesh {env.mesh_id})"
+        if misplaced:
+            self.log("a message", f"{who} sent a bundle where only workers' messages come")
+            return DROPPED
+        if env.seq <= mesh.agents_seen.get(env.rank, 0):
+            self.log("a replayed message", f"{who} already sent number {env.seq}")
+            return DROPPED
+        mesh.agents_seen[env.rank] = env.seq
+        bundle = protocol.unpack(env.message)
+        n = len(mesh.seen)
+        if type(bundle) is not protocol.Bundle or type(bundle.items) is not tuple:
+            raise ValueError(f"{who} sent a {type(bundle).__name__} where only bundles come")
+        items = []
+        for ranks, message, body in bundle.items:
+            message = protocol.unpack(message)
+            if type(message) not in fanin.BUNDLED or type(body) is not bytes or type(ranks) is not tuple:
+                raise ValueError(f"{who} bundled a {type(message).__name__}, which is never bundled")
+            for r in ranks:
+                if type(r) is not int or not 0 <= r < n:
+                    raise ValueError(f"{who} bundled a message from rank {r!r}, not one of the mesh's {n}")
+            items.append((ranks, message, body))
+        env.message = protocol.Bundle(tuple(items))
+        self.bundles += 1
+        self.bundled += len(items)
+        return env
 
     def _deliverable(self, env: codec.Envelope, mesh: _Mesh, lane: Lane | None) -> Any:
         """A checked message, or `DROPPED` for one that the transport takes itself (start-up, `Goodbye`)."""

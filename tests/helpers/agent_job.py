@@ -16,8 +16,12 @@ from conftest import wait_gone
 
 
 class AgentJob:
-    def __init__(self, root: Path, name: str, hosts: int = 2, workspace: Path | None = None) -> None:
+    def __init__(
+        self, root: Path, name: str, hosts: int = 2, workspace: Path | None = None, env: dict[str, str] | None = None
+    ) -> None:
         self.root, self.name, self.hosts = root, name, hosts
+        self.extra_env = env or {}
+        """Set in the agents' environment, over this process's."""
         os.environ["MONARCH_JOBS_DIR"] = str(root)
         self.dir = JobDir.named(name)
         meta = {"name": name, "hosts": hosts, "gpus_per_host": 0, "slurm_id": None,
@@ -30,7 +34,7 @@ class AgentJob:
         for i in range(self.hosts):
             cmd = [sys.executable, "-m", "monarch.runtime.agent", "--job-dir", str(self.dir.path), "--index", str(i),
                    "--bind", f"127.0.0.{i + 1}", "--workspace", str(self.workspaces[i])]  # fmt: skip
-            self.procs.append(subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))
+            self.procs.append(subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=self.env))
         deadline = time.monotonic() + timeout
         while len(self.dir.agents()) < self.hosts:
             for p in self.procs:
@@ -39,6 +43,10 @@ class AgentJob:
             if time.monotonic() > deadline:
                 raise TimeoutError("agents not up")
             time.sleep(0.05)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return dict(os.environ, **self.extra_env)
 
     @property
     def pids(self) -> list[int]:

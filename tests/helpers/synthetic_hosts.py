@@ -27,6 +27,7 @@ from typing import Any
 import cloudpickle
 
 import monarch
+from monarch.actor import Actor, endpoint
 
 from conftest import wait_for
 from helpers.agent_job import AgentJob
@@ -60,6 +61,27 @@ def fail_on(rank: int) -> None:
         raise ValueError(f"rank {rank} fails on purpose")
 
 
+class Counter(Actor):
+    """An actor on every synthetic rank (spawned and called as on real workers)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    @endpoint
+    def incr(self) -> int:
+        self.n += 1
+        return self.n
+
+    @endpoint
+    def rank(self) -> int:
+        return RANK
+
+    @endpoint
+    def fail_on(self, rank: int) -> None:
+        if RANK == rank:
+            raise ValueError(f"actor {rank} fails on purpose")
+
+
 # -- the agent side -------------------------------------------------------------------------------------
 class SyntheticRanks(threading.Thread):
     """All of one mesh's ranks on one host, served by one thread."""
@@ -79,6 +101,8 @@ class SyntheticRanks(threading.Thread):
         for rank, *_, (_, _, rank_topic) in msg.starts:
             self.by_topic[rank_topic] = [rank]
         self.fns: dict[int, Any] = {}
+        self.actors: dict[tuple[int, str], Any] = {}
+        """(rank, name) -> that rank's actor: what the workers' `monarch.runtime.worker.actors` keeps per process."""
         self.seen = dict.fromkeys(self.ranks, 0)
         """Rank -> the last command number it took (as each worker keeps its own)."""
         self.stopped = threading.Event()
@@ -152,7 +176,10 @@ class SyntheticRanks(threading.Thread):
         from monarch.runtime.worker.describe import describe
 
         if msg.fn is not None:
-            self.fns[msg.fid] = cloudpickle.loads(msg.fn)
+            fn = cloudpickle.loads(msg.fn)
+            if getattr(fn, "__module__", "") == "monarch.runtime.worker.actors":  # (actors: a worker's own functions)
+                fn = getattr(self, f"_actor_{fn.__name__}")
+            self.fns[msg.fid] = fn
         fn = self.fns[msg.fid]
         args, kwargs = codec.loads(env.body, env.buffers)
         called = set(msg.ranks)  # (the mesh's topic brings calls on views too: only the view's ranks run them)
@@ -169,6 +196,20 @@ class SyntheticRanks(threading.Thread):
                 self._send(rank, self.protocol.Output(msg.call_id, "stdout", _said.pop(0)))
             self._send(rank, self.protocol.Reply(msg.call_id, ok), body)
 
+    # the workers' actor functions (`monarch.runtime.worker.actors`), for many ranks in one process
+    def _actor_spawn(self, name: str, cls: type, args: tuple, kwargs: dict) -> str:
+        self.actors[(RANK, name)] = cls(*args, **kwargs)
+        return f"synthetic rank {RANK}"
+
+    def _actor_invoke(self, name: str, endpoint: str, args: tuple, kwargs: dict, *_: Any) -> Any:
+        from monarch.runtime.worker.actors import _method
+
+        method, _ = _method(self.actors[(RANK, name)], endpoint)
+        return method(*args, **kwargs)
+
+    def _actor_stop(self, name: str) -> bool:
+        return self.actors.pop((RANK, name), None) is not None
+
 
 def _agent_class() -> type:
     from monarch.runtime.agent import agent as agent_module
@@ -183,9 +224,7 @@ def _agent_class() -> type:
 
         def _start(self, msg: protocol.StartWorkers) -> None:
             self.synthetic = getattr(self, "synthetic", {})
-            topics = [msg.starts[0][4][1]] + [s[4][2] for s in msg.starts]
-            self.meshes[msg.mesh_id] = agent_module._Mesh([s[0] for s in msg.starts], topics)
-            self.relay.allow(topics)
+            self.admit(msg)
             for p in msg.sys_path:  # (the workloads' module, by reference)
                 if p not in sys.path and os.path.isdir(p):
                     sys.path.append(p)
@@ -248,7 +287,7 @@ class SyntheticJob(AgentJob):
     def start(self, timeout: float = 120) -> float:
         """Start the agents; returns the seconds until all were up."""
         t0 = time.monotonic()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HELPERS.parent), os.environ.get("PYTHONPATH", "")]))
+        env = dict(self.env, PYTHONPATH=os.pathsep.join([str(HELPERS.parent), self.env.get("PYTHONPATH", "")]))
         for i in range(self.hosts):
             cmd = [sys.executable, "-m", "helpers.synthetic_hosts", "--job-dir", str(self.dir.path),
                    "--index", str(i), "--bind", f"127.0.{i // 250}.{i % 250 + 1}"]  # fmt: skip

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from monarch.runtime.wire.protocol.base import message
 
 LINK = 0xFFFFFFFF
@@ -111,3 +113,13 @@ class Synced:
     """Agent -> controller: the workspace copy matches the offer; `changed` were written or removed."""
 
     changed: list[str]
+
+
+@message(58)
+class Bundle:
+    """Agent -> controller, on the reply path, signed with the mesh's key: messages of this host's workers sent up
+    as one (`wire/fanin.py`). Each item is ``(ranks, message, body)``: a message (as `pack` makes it) and its
+    body, equal for every rank in `ranks`, in the order the first of them sent it."""
+
+    items: tuple[tuple[tuple[int, ...], Any, bytes], ...]
+    """On the wire each message is packed; as received, the controller's end unpacked each."""
