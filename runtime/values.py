@@ -110,14 +110,17 @@ class Future(Generic[T]):
 
     def _decode(self, replies: dict[int, tuple]) -> ValueMesh[T]:
         pending = self._pending
+        loads = _loader()
+        envs = list(map(replies.__getitem__, self._shape.ranks))
+        distinct = {id(env): env for env in envs}
+        if len(distinct) < len(envs):  # envelopes shared by ranks: a host's agent sends an equal reply once
+            values = _shared_values(distinct, envs, loads)
+            if values is not None:
+                return ValueMesh(self._shape, values)
         labels = pending.mesh.labels
         values, failed, released = [], [], []
-        loads = _loader()
-        # id(envelope) -> its value: a host's agent sends an equal reply once for its ranks (`wire/fanin.py`), one
-        # envelope for them all, unpickled once when its value cannot be changed (a list would be one list)
-        shared: dict[int, Any] = {}
-        for rank in self._shape.ranks:
-            env = replies[rank]
+        shared: dict[int, Any] = {}  # (id(envelope) -> its value, when it cannot be changed)
+        for rank, env in zip(self._shape.ranks, envs):
             obj = shared.get(id(env), _NONE)
             if obj is not _NONE:
                 values.append(obj)
@@ -170,6 +173,23 @@ class Done(Generic[T]):
 
 _NONE = object()
 _IMMUTABLE = frozenset((type(None), bool, int, float, complex, str, bytes))
+
+
+def _shared_values(distinct: dict[int, codec.Envelope], envs: list[codec.Envelope], loads: Any) -> list[Any] | None:
+    """Each rank's value, unpickling each distinct envelope once; None (each rank's own, then) unless every one
+    succeeded with a value that cannot be changed (one list shared by many ranks would be one list)."""
+    values: dict[int, Any] = {}
+    for key, env in distinct.items():
+        if not env.message.ok:
+            return None
+        try:
+            obj = loads(env.body, env.buffers)
+        except Exception:
+            return None
+        if type(obj) not in _IMMUTABLE:
+            return None
+        values[key] = obj
+    return [values[id(env)] for env in envs]
 
 
 def _loader() -> Callable[[Any, Any], Any]:

@@ -16,7 +16,7 @@ import monarch.notebook
 from monarch.runtime.controller import get_controller
 
 from conftest import pid_alive
-from helpers.synthetic_hosts import Counter, SyntheticJob, fail_on, noop, rank_of, say
+from helpers.synthetic_hosts import Counter, SyntheticJob, a_list, fail_on, noop, rank_of, say
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,6 +65,14 @@ def test_a_call_on_512_ranks_reaches_the_controller_as_one_bundle_per_host(mesh)
     with Came() as came:
         assert rank_of.on(mesh.slice(host=slice(2, 4), gpu=slice(0, 3)))().values() == [128, 129, 130, 192, 193, 194]
     assert (came.bundles, came.items) == (2, 6)  # only the view's hosts, as soon as the view's ranks there answered
+
+
+def test_an_equal_value_that_can_be_changed_is_each_ranks_own(mesh):
+    with Came() as came:
+        lists = a_list.on(mesh)().values()
+    assert came.items == HOSTS  # (one item per host, as for None)
+    lists[0].append(2)
+    assert lists[0] == [1, 2] and lists[1] == [1] and lists[-1] == [1]
 
 
 def test_a_call_gets_every_ranks_value_in_rank_order(mesh):

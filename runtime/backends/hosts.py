@@ -396,7 +396,16 @@ class HostsBackend(Backend):
         return mesh is not None and len(mesh.hosts) > 1
 
     def workers_here(self, mesh_id: int, ranks: tuple[int, ...]) -> int:
-        return sum(len(rs) for i, rs in self._by_host(mesh_id, ranks).items() if self.hosts[i].record.host == self.here)
+        mesh = self.meshes.get(mesh_id)
+        if mesh is None:
+            return 0
+        here = [rs for i, rs in mesh.hosts.items() if self.hosts[i].record.host == self.here]
+        if not here:
+            return 0
+        if len(ranks) == sum(len(rs) for rs in mesh.hosts.values()):  # (the whole mesh, asked at each wait)
+            return sum(len(rs) for rs in here)
+        wanted = set(ranks)
+        return sum(len(wanted.intersection(rs)) for rs in here)
 
     def control(self, mesh_id: int, ranks: tuple[int, ...], call_id: int, kind: Control) -> None:
         for i, rs in self._by_host(mesh_id, ranks).items():

@@ -50,6 +50,11 @@ def rank_of() -> int:
 
 
 @monarch.remote
+def a_list() -> list[int]:
+    return [1]
+
+
+@monarch.remote
 def say(text: str) -> None:
     """Prints `text` (a line of output from every rank)."""
     _said.append(f"{text}\n")
