@@ -188,12 +188,12 @@ def group(held: list[tuple[int, Packed, bytes]]) -> tuple[tuple[tuple[int, ...],
     """`held` as a bundle's items: equal (message, body) pairs once, with their ranks in the order they came. A
     rank joins an earlier item only if that item comes after the last one it joined (its own order is kept)."""
     groups: list[tuple[list[int], Packed, bytes]] = []
-    latest: dict[tuple[Packed, bytes], int] = {}
+    latest: dict[tuple[Any, bytes], int] = {}
     last: dict[int, int] = {}
     bodies: dict[bytes, bytes] = {}
     for rank, msg, body in held:
         body = bodies.setdefault(body, body)  # (one object per distinct body: pickled once, then referenced)
-        key = (msg, body)
+        key: tuple[Any, bytes] = (msg, body)
         try:
             i = latest.get(key)
         except TypeError:  # (a message holding a list, as `Stacks` does: compared by its pickle)
