@@ -140,6 +140,11 @@ def before_env(site: str | None) -> dict | None:
 def install_before(rev: str) -> str:
     """Install this repository's monarch at git revision `rev` into a directory of its own; return it."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # named by commit, not by what was typed: "HEAD" or a branch moves, and an install kept under its name would
+    # stand for an older revision
+    rev = subprocess.run(
+        ["git", "-C", repo, "rev-parse", "--short", f"{rev}^{{commit}}"], check=True, capture_output=True, text=True
+    ).stdout.strip()
     site = os.path.join(tempfile.gettempdir(), f"bench-before-{rev}")
     if not os.path.isdir(os.path.join(site, "monarch")):
         tree = tempfile.mkdtemp(prefix="bench-before-")

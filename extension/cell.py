@@ -26,12 +26,13 @@ to initialize model." in the browser's console."""
 
 
 class RankAreas:
-    """Output grouped by rank: one live area per rank (a widget), static HTML once the cell ends."""
+    """Output grouped by rank: one live area per rank (a widget), static HTML once the cell ends; on more than
+    `GROUP_ABOVE` ranks, one area per distinct output, its ranks named."""
 
-    def __init__(self, widget_factory) -> None:
-        from monarch.widgets.rank_output import RankLog
+    def __init__(self, widget_factory, ranks: int = 0) -> None:
+        from monarch.widgets.rank_output import GROUP_ABOVE, RankLog
 
-        self.log = RankLog(files=True)
+        self.log = RankLog(files=True, grouped=ranks > GROUP_ABOVE)
         self._factory = widget_factory
         self._widget = None
         self._display_id = uuid.uuid4().hex

@@ -136,7 +136,7 @@ class MeshMagics(Magics):
         if opts["group"] == "rank" and self.widgets:
             from monarch.widgets.rank_output import RankOutput
 
-            output = RankAreas(RankOutput)
+            output = RankAreas(RankOutput, len(view))
         else:
             output = ArrivalLines()
         from monarch.runtime import cells

@@ -481,8 +481,12 @@ class BusyCall:
         return "\n".join(lines)
 
 
+SUMMARY_ABOVE = 64
+"""A mesh table of more ranks than this is shown by host (`MeshTable.per_host`), each host's ranks a click away."""
+
+
 class MeshTable:
-    """The rows of `mesh.to_table()`; prints as a text table."""
+    """The rows of `mesh.to_table()`; prints as a text table (by host on more than `SUMMARY_ABOVE` ranks)."""
 
     def __init__(self, title: str, dims: list[str], rows: list[dict], mesh: ProcMesh | None = None):
         self.title = title
@@ -497,12 +501,54 @@ class MeshTable:
         actors = ["actors"] if any(row.get("actors") for row in self.rows) else []
         return [*self.dims, "rank", "hostname", "pid", "device", "status", "memory", "running", "for", *actors]
 
+    @property
+    def per_host(self) -> tuple[list[str], list[dict]] | None:
+        """On more than `SUMMARY_ABOVE` ranks, the table by host (`host` coordinate, else hostname): columns and one
+        row per host, each with its ranks' statuses counted and what they run, its ranks' rows under
+        ``"members"`` (their positions in `rows`); None on fewer ranks."""
+        if len(self.rows) <= SUMMARY_ABOVE:
+            return None
+        key = "host" if "host" in self.dims else "hostname"
+        by: dict[object, list[int]] = {}
+        for i, row in enumerate(self.rows):
+            by.setdefault(row[key], []).append(i)
+        out = []
+        for value, members in by.items():
+            rows = [self.rows[i] for i in members]
+            statuses: dict[str, int] = {}
+            for row in rows:
+                statuses[row["status"]] = statuses.get(row["status"], 0) + 1
+            running = sorted({str(row["running"]) for row in rows if row["running"]})
+            actors = sorted({str(row.get("actors", "")) for row in rows if row.get("actors")})
+            out.append(
+                {
+                    key: value,
+                    "ranks": format_ranks([row["rank"] for row in rows]),
+                    "workers": len(rows),
+                    "hostname": ", ".join(sorted({str(row["hostname"]) for row in rows})),
+                    "status": ", ".join(f"{n} {st}" for st, n in sorted(statuses.items(), key=lambda x: -x[1])),
+                    "running": "; ".join(running[:3]) + (f" (and {len(running) - 3} more)" if len(running) > 3 else ""),
+                    "actors": "; ".join(actors),
+                    "members": members,
+                }
+            )
+        columns = [key, "ranks", "workers", *(["hostname"] if key == "host" else []), "status", "running", "actors"]
+        return [c for c in columns if c not in ("running", "actors") or any(r[c] for r in out)], out
+
     def __str__(self) -> str:
-        cols = self.columns
-        cells = [[str(row[c]) for c in cols] for row in self.rows]
+        summary = self.per_host
+        if summary is not None:
+            cols, rows = summary
+            head = (
+                f"ProcMesh {self.title}: {len(self.rows)} ranks on {len(rows)} hosts, a row each "
+                f"(`.rows` holds every rank's; a host's alone: `mesh.slice({cols[0]}=...).to_table()`)"
+            )
+        else:
+            cols, rows, head = self.columns, self.rows, f"ProcMesh {self.title}"
+        cells = [[str(row[c]) for c in cols] for row in rows]
         widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
         line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()  # noqa: E731
-        return "\n".join([f"ProcMesh {self.title}", line(cols), line(["-" * w for w in widths]), *map(line, cells)])
+        return "\n".join([head, line(cols), line(["-" * w for w in widths]), *map(line, cells)])
 
     __repr__ = __str__
 

@@ -489,3 +489,61 @@ def test_at_1000_px_in_the_dark_outputs_stay_true_to_their_cell_and_whole(lab, t
         assert [outputs(i).inner_text() for i in range(7)] == old  # nothing appended to an old cell
         run_cell(page, 8, "procs.exit()")
         run_cell(page, 9, "%mesh shutdown")
+
+
+@pytest.fixture
+def jobs512(tmp_path_factory):
+    """8 synthetic hosts of 64 ranks (`helpers/synthetic_hosts.py`), made before the lab so that its kernel finds
+    them (`MONARCH_JOBS_DIR`)."""
+    from helpers.synthetic_hosts import SyntheticJob
+
+    job = SyntheticJob(tmp_path_factory.mktemp("jobs512"), "scale512", hosts=8)
+    job.start()
+    yield job
+    assert job.stop() == []
+
+
+@pytest.mark.timeout(300)
+def test_a_cell_on_512_ranks_shows_an_area_per_distinct_output_and_a_table_per_host(jobs512, lab):
+    with browser_page("monarch_lab_512", height=1400) as page:
+        idle = open_notebook(page, lab)
+        spawn = 'import monarch.notebook\nmesh = monarch.notebook.job("scale512").spawn_procs({"gpu": 64})'
+        cell, shown = run_cell(page, 0, spawn)
+        expect(cell.locator(".jp-OutputArea-output.jp-OutputArea-executeResult"), shown).to_have_count(0)
+        # --noblock: the live view stays, grouped by its own script as the output comes
+        source = '%%mesh mesh --noblock\nprint("step 1: loss 0.25")\nprint("even" if rank % 2 == 0 else "odd")'
+        cell, _ = run_cell(page, 1, source)
+        areas = cell.locator(".monarch-rank")
+        even = cell.locator(".monarch-rank[data-label='ranks 0, 2, 4, …, 510']")
+        odd = cell.locator(".monarch-rank[data-label='ranks 1, 3, 5, …, 511']")
+        for area in (even, odd):
+            expect(area).to_contain_text("[this run ended after", timeout=WAIT_MS)
+            expect(area).to_have_attribute("data-ranks", "256")
+            expect(area.locator("summary")).to_have_text("256 ranks")
+        shown = f"cell {source!r} shows:\n{cell.locator('.jp-OutputArea').inner_text()}\n"
+        expect(areas, shown).to_have_count(2)
+        expect(even, shown).to_contain_text("step 1: loss 0.25\neven")
+        expect(odd, shown).to_contain_text("step 1: loss 0.25\nodd")
+        even.locator("summary").click()  # each rank named when opened
+        expect(even.locator(".monarch-rank-members div"), shown).to_have_count(256)
+        expect(even.locator(".monarch-rank-members div").nth(1)).to_have_text("host=0,gpu=2")
+
+        # a cell that ends: the saved view, one area for the same line from every rank
+        cell, shown = run_cell(page, 2, '%%mesh mesh\nprint("the same on every rank")')
+        area = cell.locator(".monarch-rank")
+        expect(area, shown).to_have_count(1, timeout=WAIT_MS)
+        expect(area, shown).to_have_attribute("data-label", "ranks 0-511", timeout=WAIT_MS)
+        expect(area.locator("summary"), shown).to_have_text("512 ranks")
+
+        # the page answers: the next cell runs, and the mesh's table is a row per host, a host's ranks a click away
+        cell, shown = run_cell(page, 3, "%mesh")
+        hosts = cell.locator("table.monarch-hosts-table tr[data-host]")
+        expect(hosts, shown).to_have_count(8, timeout=WAIT_MS)
+        expect(hosts.first, shown).to_contain_text("64 idle")
+        hosts.nth(5).locator(".monarch-host-toggle").click()
+        ranks = cell.locator(".monarch-host-ranks tr[data-rank]")
+        expect(ranks, shown).to_have_count(64, timeout=WAIT_MS)
+        expect(ranks.first).to_have_attribute("data-rank", "320")
+        cell, shown = run_cell(page, 4, "mesh.exit()\n1 + 1")
+        expect(cell.locator(".jp-OutputArea-output"), shown).to_contain_text("2", timeout=WAIT_MS)
+        idle.wait_for(timeout=WAIT_MS)

@@ -105,3 +105,37 @@ def test_a_matplotlib_figure_is_drawn_in_the_pages_colours():
     assert figures.themed_svg(fig, max_bytes=1000) is None  # too large: the PNG only
     shown = render.bundle_html({figures.MIME: svg, "image/png": "AA", "text/plain": "<Figure>"})
     assert 'class="monarch-figure"' in shown and "<img" not in shown
+
+
+def test_on_many_ranks_the_static_view_shows_each_distinct_output_once_with_its_ranks():
+    """512 ranks: the same line from each, then the rank's parity; a cell saved with it stays small."""
+    grouped, apart = RankLog(grouped=True), RankLog()
+    for log in (grouped, apart):
+        for rank in range(512):
+            label = f"host={rank // 64},gpu={rank % 64}"
+            log.add(rank, label, "stdout", "loss 0.25\n")
+            log.add(rank, label, "stdout", f"{'even' if rank % 2 == 0 else 'odd'}\n")
+        log.add(7, "host=0,gpu=7", "stderr", "only rank 7 warns\n")
+    assert grouped.text().splitlines() == [
+        "[ranks 0, 2, 4, …, 510] loss 0.25",
+        "[ranks 0, 2, 4, …, 510] even",
+        "[ranks 1, 3, 5, …, 511] loss 0.25",
+        "[ranks 1, 3, 5, …, 511] odd",
+        "[host=0,gpu=7] loss 0.25",
+        "[host=0,gpu=7] odd",
+        "[host=0,gpu=7] only rank 7 warns",
+    ]
+    html = grouped.html()
+    assert html.count('class="monarch-rank"') == 3 and html.count("loss 0.25") == 3
+    assert "<summary>256 ranks</summary><div>host=0,gpu=0</div><div>host=0,gpu=2</div>" in html
+    assert "<summary>255 ranks</summary>" in html and '<div class="monarch-rank" data-label="host=0,gpu=7">' in html
+    assert apart.html().count('class="monarch-rank"') == 512  # (at most GROUP_ABOVE ranks: one area each)
+    assert len(grouped.bundle()["text/html"]) * 4 < len(apart.bundle()["text/html"])
+
+
+def test_ranks_whose_output_differs_only_in_how_it_was_chunked_share_an_area():
+    log = RankLog(grouped=True)
+    log.add(0, "gpu=0", "stdout", "a\nb\n")
+    log.add(1, "gpu=1", "stdout", "a\n")
+    log.add(1, "gpu=1", "stdout", "b\n")
+    assert log.text().splitlines() == ["[ranks 0-1] a", "[ranks 0-1] b"]

@@ -8,6 +8,7 @@ depend on how fast this machine is."""
 from __future__ import annotations
 
 import re
+import socket
 
 import pytest
 
@@ -76,7 +77,10 @@ def test_an_equal_value_that_can_be_changed_is_each_ranks_own(mesh):
 
 
 def test_a_call_gets_every_ranks_value_in_rank_order(mesh):
-    assert mesh.to_table(with_memory=False).rows[-1]["rank"] == RANKS - 1
+    table = mesh.to_table(with_memory=False)
+    assert table.rows[-1]["rank"] == RANKS - 1
+    text = str(table).splitlines()  # a row per host
+    assert len(text) == 3 + HOSTS and text[3 + 7].split()[:4] == ["7", "448-511", "64", socket.gethostname()]
     assert rank_of.on(mesh)().values() == list(range(RANKS))
     assert noop.on(mesh)().values() == [None] * RANKS
     view = mesh.slice(host=5)

@@ -231,3 +231,23 @@ def test_a_frozen_mesh_table_keeps_what_was_true_when_it_froze(tmp_path):
         assert "(stopped at" not in old.title and "(stopped at" not in live.title  # stopped after both froze
     finally:
         mesh.exit()
+
+
+def test_a_table_of_many_ranks_is_a_row_per_host_with_each_hosts_ranks_kept():
+    from monarch.runtime.mesh import MeshTable
+
+    rows = [
+        {"host": r // 64, "gpu": r % 64, "rank": r, "hostname": f"node{r // 64}", "pid": 100 + r, "device": "cpu",
+         "status": "busy" if r in (70, 71) else "idle", "memory": "", "running": "train (Cell In[3], line 4)"
+         if r in (70, 71) else "", "for": "", "actors": ""}
+        for r in range(512)
+    ]  # fmt: skip
+    table = MeshTable("{host: 8, gpu: 64}", ["host", "gpu"], rows)
+    columns, hosts = table.per_host
+    assert columns == ["host", "ranks", "workers", "hostname", "status", "running"]
+    assert len(hosts) == 8 and hosts[1]["ranks"] == "64-127" and hosts[1]["status"] == "62 idle, 2 busy"
+    assert hosts[1]["running"] == "train (Cell In[3], line 4)" and hosts[1]["members"] == list(range(64, 128))
+    text = str(table).splitlines()
+    assert text[0].startswith("ProcMesh {host: 8, gpu: 64}: 512 ranks on 8 hosts, a row each") and len(text) == 11
+    assert text[4].split()[:6] == ["1", "64-127", "64", "node1", "62", "idle,"]
+    assert MeshTable("{gpu: 64}", ["gpu"], rows[:64]).per_host is None  # (64 ranks: a row each, as before)

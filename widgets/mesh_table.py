@@ -9,17 +9,17 @@ import weakref
 
 import traitlets
 
+from monarch.runtime.mesh import MeshTable
 from monarch.widgets.base import StaticFallbackWidget
 from monarch.widgets.style import esc, table, text_table
 
 _ESM = r"""
 const OPTIONAL = ["memory", "running", "for", "actors"], WRAP = ["running", "actors"];
-function draw(model, el) {
-  const rows = model.get("rows");  // (a column empty in every row takes no room)
-  const cols = model.get("columns").filter((c) => !OPTIONAL.includes(c) || rows.some((r) => `${r[c] ?? ""}` !== ""));
+function ranksTable(rows, columns, caption) {
+  const cols = columns.filter((c) => !OPTIONAL.includes(c) || rows.some((r) => `${r[c] ?? ""}` !== ""));
   const t = document.createElement("table");
   t.className = "monarch-table monarch-mesh-table";
-  const cap = t.createCaption(); cap.textContent = model.get("title");
+  if (caption !== null) { const cap = t.createCaption(); cap.textContent = caption; }
   const hr = t.createTHead().insertRow();
   for (const c of cols) { const th = document.createElement("th"); th.textContent = c; hr.appendChild(th); }
   const tb = t.createTBody();
@@ -31,14 +31,48 @@ function draw(model, el) {
       else if (WRAP.includes(c)) td.className = "monarch-wrap";
     }
   }
-  el.replaceChildren(t);
+  return t;
+}
+// Many ranks: a row per host, its ranks' rows under it on a click (which stays open across refreshes).
+function hostsTable(model, open, redraw) {
+  const rows = model.get("rows"), hosts = model.get("hosts"), cols = model.get("host_columns");
+  const t = document.createElement("table");
+  t.className = "monarch-table monarch-mesh-table monarch-hosts-table";
+  const cap = t.createCaption(); cap.textContent = model.get("title");
+  const hr = t.createTHead().insertRow();
+  for (const c of ["", ...cols]) { const th = document.createElement("th"); th.textContent = c; hr.appendChild(th); }
+  const tb = t.createTBody();
+  for (const host of hosts) {
+    const key = `${host[cols[0]]}`;
+    const tr = tb.insertRow(); tr.dataset.host = key;
+    const toggle = tr.insertCell();
+    const b = document.createElement("button"); b.className = "monarch-host-toggle";
+    b.textContent = open.has(key) ? "▾" : "▸"; b.title = `${host.workers} ranks`;
+    b.onclick = () => { open.has(key) ? open.delete(key) : open.add(key); redraw(); };
+    toggle.appendChild(b);
+    for (const c of cols) {
+      const td = tr.insertCell(); td.textContent = host[c];
+      if (WRAP.includes(c) || c === "status") td.className = "monarch-wrap";
+    }
+    if (open.has(key)) {
+      const inner = tb.insertRow(); inner.className = "monarch-host-ranks"; inner.dataset.host = key;
+      const td = inner.insertCell(); td.colSpan = cols.length + 1;
+      td.appendChild(ranksTable(host.members.map((i) => rows[i]), model.get("columns"), null));
+    }
+  }
+  return t;
+}
+function draw(model, el, open, redraw) {
+  if (model.get("hosts").length) { el.replaceChildren(hostsTable(model, open, redraw)); return; }
+  el.replaceChildren(ranksTable(model.get("rows"), model.get("columns"), model.get("title")));
 }
 export default {
   render({ model, el }) {
-    draw(model, el);
-    const on = () => draw(model, el);
-    model.on("change:rows change:title", on);
-    return () => model.off("change:rows change:title", on);
+    const open = new Set();
+    const redraw = () => draw(model, el, open, redraw);
+    redraw();
+    model.on("change:rows change:title change:hosts", redraw);
+    return () => model.off("change:rows change:title change:hosts", redraw);
   },
 };
 """
@@ -81,10 +115,16 @@ class MeshTableWidget(StaticFallbackWidget):
     title = traitlets.Unicode().tag(sync=True)
     columns = traitlets.List().tag(sync=True)
     rows = traitlets.List().tag(sync=True)
+    hosts = traitlets.List().tag(sync=True)
+    """On many ranks (`SUMMARY_ABOVE`), a row per host (`MeshTable.per_host`); empty otherwise."""
+    host_columns = traitlets.List().tag(sync=True)
 
     def __init__(self, mesh) -> None:
         table = mesh.to_table()
         super().__init__(title=f"ProcMesh {table.title}{LIVE}", columns=table.columns, rows=_plain(table.rows))
+        self._dims = table.dims
+        self._by_host()
+        self.observe(lambda _: self._by_host(), names="rows")
         self._mesh = mesh
         self._pending = False
         self._frozen = False
@@ -95,6 +135,10 @@ class MeshTableWidget(StaticFallbackWidget):
         # A rank may have changed between the table above and following the mesh (its change then reached
         # no one), and a rank busy from the start must have its "for" column counting: look again.
         self.note_change()
+
+    def _by_host(self) -> None:
+        summary = MeshTable("", self._dims, self.rows).per_host
+        self.host_columns, self.hosts = summary if summary is not None else ([], [])
 
     def _follow(self, mesh) -> None:
         ref = weakref.ref(self)
@@ -167,10 +211,17 @@ class MeshTableWidget(StaticFallbackWidget):
     def _said_stopped(self) -> bool:
         return "(stopped at " in self.title
 
-    def static_html(self) -> str:  # (saved with the notebook: not live there)
-        return table_html(self.title.removesuffix(LIVE), self.columns, self.rows)
+    def static_html(self) -> str:  # (saved with the notebook: not live there; by host on many ranks: it stays small)
+        title = self.title.removesuffix(LIVE)
+        if self.hosts:
+            cells = [[_cell(c, h[c]) for c in self.host_columns] for h in self.hosts]
+            caption = f"{title}: {len(self.rows)} ranks, by host"
+            return table(caption, self.host_columns, cells, "monarch-mesh-table monarch-hosts-table")
+        return table_html(title, self.columns, self.rows)
 
     def static_text(self) -> str:
+        if self.hosts:
+            return str(MeshTable(self.title.removesuffix(LIVE).removeprefix("ProcMesh "), self._dims, self.rows))
         return (
             self.title.removesuffix(LIVE)
             + "\n"

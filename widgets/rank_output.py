@@ -17,6 +17,7 @@ from typing import IO
 import traitlets
 
 from monarch.runtime.common import config
+from monarch.runtime.common.shape import format_ranks
 from monarch.widgets import render
 from monarch.widgets.base import StaticFallbackWidget
 from monarch.widgets.style import esc, page
@@ -118,40 +119,109 @@ export default {
     const root = document.createElement("div");
     root.className = "monarch-ranks";
     el.appendChild(root);
-    const areas = new Map();
-    const area = (it) => {
-      let a = areas.get(it.r);
-      if (!a) {
-        const div = document.createElement("div"); div.className = "monarch-rank"; div.dataset.label = it.l;
-        const h = document.createElement("div"); h.className = "monarch-rank-label"; h.textContent = `[${it.l}]`;
-        const more = document.createElement("button"); more.className = "monarch-rank-more";
-        more.textContent = "show all"; more.hidden = true;
-        const scroll = document.createElement("div"); scroll.className = "monarch-rank-scroll";
-        more.onclick = () => { more.textContent = scroll.classList.toggle("monarch-all") ? "show less" : "show all"; };
-        h.appendChild(more);
-        const body = document.createElement("div"); body.className = "monarch-rank-body";
-        scroll.appendChild(body);
-        div.append(h, scroll);
-        let next = null;
-        for (const [r, x] of areas) if (r > it.r && (next === null || r < next[0])) next = [r, x.div];
-        root.insertBefore(div, next ? next[1] : null);
-        a = { div, body, scroll, more, last: null };
-        areas.set(it.r, a);
-      }
+    const shown = new Set();  // the areas drawn
+    const makeArea = (label, order) => {
+      const div = document.createElement("div"); div.className = "monarch-rank"; div.dataset.label = label;
+      const h = document.createElement("div"); h.className = "monarch-rank-label";
+      const name = document.createElement("span"); name.textContent = `[${label}]`;
+      const more = document.createElement("button"); more.className = "monarch-rank-more";
+      more.textContent = "show all"; more.hidden = true;
+      const scroll = document.createElement("div"); scroll.className = "monarch-rank-scroll";
+      more.onclick = () => { more.textContent = scroll.classList.toggle("monarch-all") ? "show less" : "show all"; };
+      h.append(name, more);
+      const body = document.createElement("div"); body.className = "monarch-rank-body";
+      scroll.appendChild(body);
+      div.append(h, scroll);
+      const a = { div, h, name, body, scroll, more, last: null, order };
+      let next = null;  // in order (of rank; of first rank for a group)
+      for (const x of shown) if (x.order > order && (next === null || x.order < next.order)) next = x;
+      root.insertBefore(div, next ? next.div : null);
+      shown.add(a);
       return a;
+    };
+    const draw = (a, it) => {
+      if (it.s === "display") {
+        const t = document.createElement("template"); t.innerHTML = it.h;
+        a.body.append(...t.content.childNodes); a.last = null;
+        return;
+      }
+      if (!a.last || a.last.stream !== it.s) { a.last = block(it.s); a.body.appendChild(a.last.div); }
+      write(a.last, it.t);
+    };
+    // One area per rank; or, for a cell on many ranks (`grouped`), one per distinct output so far: a rank's
+    // output is hashed as it comes (FNV-1a over its characters, whatever the chunks), and it moves to the area
+    // of the ranks whose output hashes the same, or to a new one drawn from its own items.
+    const grouped = model.get("grouped");
+    const areas = new Map();  // rank -> its area (not grouped)
+    const ranks = new Map();  // rank -> { h, stream, items, label } (grouped)
+    const groups = new Map();  // hash -> { a, members } (grouped)
+    const dirty = new Set();
+    const hash = (h, text) => {
+      for (let i = 0; i < text.length; i++) h = Math.imul(h ^ text.charCodeAt(i), 16777619) >>> 0;
+      return h;
+    };
+    const place = (it) => {
+      let r = ranks.get(it.r);
+      if (!r) { r = { h: 2166136261, stream: null, items: [], label: it.l }; ranks.set(it.r, r); }
+      const old = groups.get(r.h);
+      if (old && old.members.delete(it.r)) {
+        if (old.members.size) dirty.add(old);
+        else { old.a.div.remove(); shown.delete(old.a); groups.delete(r.h); dirty.delete(old); }
+      }
+      if (it.s === "display") { r.h = hash(hash(r.h, "\u0001display"), it.h); r.stream = null; }
+      else { if (r.stream !== it.s) r.h = hash(r.h, "\u0001" + it.s); r.h = hash(r.h, it.t); r.stream = it.s; }
+      r.items.push(it);
+      let g = groups.get(r.h);
+      if (!g) {
+        g = { a: makeArea(it.l, it.r), members: new Set() };
+        for (const x of r.items) draw(g.a, x);
+        groups.set(r.h, g);
+      }
+      g.members.add(it.r);
+      dirty.add(g);
+    };
+    const ranges = (sorted) => {
+      const parts = [];
+      for (let i = 0; i < sorted.length;) {
+        let j = i;
+        while (j + 1 < sorted.length && sorted[j + 1] === sorted[j] + 1) j++;
+        parts.push(i === j ? `${sorted[i]}` : `${sorted[i]}-${sorted[j]}`);
+        i = j + 1;
+      }
+      return (parts.length <= 6 ? parts : [...parts.slice(0, 3), "…", parts[parts.length - 1]]).join(", ");
+    };
+    const relabel = (g) => {  // its ranks named; each one's label listed when opened
+      const members = [...g.members].sort((x, y) => x - y);
+      const one = members.length === 1;
+      const label = one ? ranks.get(members[0]).label : `ranks ${ranges(members)}`;
+      g.a.div.dataset.label = label; g.a.div.dataset.ranks = `${members.length}`;
+      g.a.name.textContent = `[${label}]`;
+      let d = g.a.h.querySelector("details");
+      if (one) { if (d) d.remove(); return; }
+      if (!d) {
+        d = document.createElement("details"); d.className = "monarch-rank-members";
+        d.appendChild(document.createElement("summary"));
+        d.ontoggle = () => {
+          d.querySelectorAll("div").forEach((x) => x.remove());
+          if (d.open) for (const m of [...g.members].sort((x, y) => x - y)) {
+            const x = document.createElement("div"); x.textContent = ranks.get(m).label; d.appendChild(x);
+          }
+        };
+        g.a.h.insertBefore(d, g.a.more);
+      }
+      d.firstChild.textContent = `${members.length} ranks`;
+      if (d.open) d.ontoggle();
     };
     const add = (items) => {
       for (const it of items) {
-        const a = area(it);
-        if (it.s === "display") {
-          const t = document.createElement("template"); t.innerHTML = it.h;
-          a.body.append(...t.content.childNodes); a.last = null;
-          continue;
-        }
-        if (!a.last || a.last.stream !== it.s) { a.last = block(it.s); a.body.appendChild(a.last.div); }
-        write(a.last, it.t);
+        if (grouped) { place(it); continue; }
+        let a = areas.get(it.r);
+        if (!a) { a = makeArea(it.l, it.r); areas.set(it.r, a); }
+        draw(a, it);
       }
-      for (const a of areas.values()) {  // "show all" once an area holds more than it shows
+      for (const g of dirty) relabel(g);
+      dirty.clear();
+      for (const a of shown) {  // "show all" once an area holds more than it shows
         if (a.more.hidden && a.scroll.scrollHeight > a.scroll.clientHeight + 1) a.more.hidden = false;
       }
     };
@@ -163,6 +233,9 @@ export default {
 """
 
 
+GROUP_ABOVE = 64
+"""A cell on more ranks than this shows ranks whose output is the same as one area, its ranks named (live and
+saved): 512 ranks printing the same line make one area, not 512."""
 TAIL_CHARS = 32 * 1024
 """Stream text of each rank that the static view keeps: its last lines (the live view showed all of it).
 A flood of output then crosses iopub once, live, plus this bounded tail when the cell ends."""
@@ -207,7 +280,15 @@ class RankLog:
     """What the ranks of one cell wrote, in order per rank: text and rich displays; of a flood, the last
     `TAIL_CHARS` of text and `TAIL_DISPLAYS` displays of each rank, what came before counted, not kept."""
 
-    def __init__(self, tail_chars: int = TAIL_CHARS, tail_displays: int = TAIL_DISPLAYS, files: bool = False) -> None:
+    def __init__(
+        self,
+        tail_chars: int = TAIL_CHARS,
+        tail_displays: int = TAIL_DISPLAYS,
+        files: bool = False,
+        grouped: bool = False,
+    ) -> None:
+        self.grouped = grouped
+        """Whether ranks with the same output are shown as one area (`GROUP_ABOVE`)."""
         self.ranks: dict[int, tuple[str, list[tuple[str, str | dict | Skipped]]]] = {}
         """Rank -> (its label, its chunks in order: ``(stream, text)``, ``("display", mime bundle)`` or
         ``(SKIPPED, Skipped)``)."""
@@ -292,15 +373,31 @@ class RankLog:
             for rank, (label, chunks) in sorted(self.ranks.items())
         ]
 
+    def _areas(self) -> list[tuple[str, list[str], list[tuple[str, str | dict | Skipped]], str | None]]:
+        """(label, the labels of its ranks, runs, file) of each area the static view shows: one per rank, or when
+        `grouped` one per distinct output (its ranks in rank order, the areas in order of their first rank)."""
+        shown = self._shown()
+        if not self.grouped:
+            return [(label, [label], runs, path) for label, runs, path in shown]
+        ranks = sorted(self.ranks)
+        groups: dict[str, tuple[list[int], list[str], list, str | None]] = {}
+        for rank, (label, runs, path) in zip(ranks, shown, strict=True):
+            key = repr((runs, path))
+            group = groups.setdefault(key, ([], [], runs, path))
+            group[0].append(rank)
+            group[1].append(label)
+        return [
+            (labels[0] if len(members) == 1 else f"ranks {_brief(members)}", labels, runs, path)
+            for members, labels, runs, path in groups.values()
+        ]
+
     def html(self) -> str:
         """The static view: math as TeX, typeset by the MathJax of JupyterLab or nbconvert."""
         out = ['<div class="monarch-ranks">']
-        for label, runs, path in self._shown():
+        for label, labels, runs, path in self._areas():
             out.append(f'<div class="monarch-rank" data-label="{esc(label)}">')
-            out.append(
-                f'<div class="monarch-rank-label">[{esc(label)}]</div>'
-                '<div class="monarch-rank-scroll"><div class="monarch-rank-body">'
-            )
+            out.append(f'<div class="monarch-rank-label">[{esc(label)}]{_members(labels)}</div>')
+            out.append('<div class="monarch-rank-scroll"><div class="monarch-rank-body">')
             for stream, run in runs:
                 if stream == "display":
                     out.append(render.bundle_html(run, render.TEX))
@@ -316,7 +413,7 @@ class RankLog:
 
     def text(self) -> str:
         lines = []
-        for label, runs, path in self._shown():
+        for label, _, runs, path in self._areas():
             parts = [
                 str(run.get("text/plain", "")) + "\n"
                 if stream == "display"
@@ -331,6 +428,21 @@ class RankLog:
     def bundle(self) -> dict:
         """The static outputs: `text/html` and `text/plain`."""
         return {"text/plain": self.text(), "text/html": page(self.html())}
+
+
+def _brief(ranks: list[int]) -> str:
+    """``0-63, 128-191`` (what `format_ranks` says), or past six runs its first three and its last: ``0, 2, 4, …,
+    510``; an area's opened list names each rank."""
+    parts = format_ranks(ranks).split(", ")
+    return ", ".join(parts if len(parts) <= 6 else [*parts[:3], "…", parts[-1]])
+
+
+def _members(labels: list[str]) -> str:
+    """An area's ranks, when it stands for more than one: how many, and each one's label when opened."""
+    if len(labels) < 2:
+        return ""
+    each = "".join(f"<div>{esc(label)}</div>" for label in labels)
+    return f'<details class="monarch-rank-members"><summary>{len(labels)} ranks</summary>{each}</details>'
 
 
 def _tail(chunks: list[tuple[str, str | dict | Skipped]], chars: int, displays: int) -> tuple[list, int, int]:
@@ -412,10 +524,13 @@ class RankOutput(StaticFallbackWidget):
     uid = traitlets.Unicode().tag(sync=True)
     initial = traitlets.List().tag(sync=True)
     """What was written before the widget existed (sent once, with the widget)."""
+    grouped = traitlets.Bool(False).tag(sync=True)
+    """Ranks with the same output share an area (a cell on more than `GROUP_ABOVE` ranks)."""
 
     def __init__(self, record: RankLog | None = None, initial: list[dict] | None = None) -> None:
-        super().__init__(uid=uuid.uuid4().hex, initial=initial or [])
-        self.record = record if record is not None else RankLog()
+        record = record if record is not None else RankLog()
+        super().__init__(uid=uuid.uuid4().hex, initial=initial or [], grouped=record.grouped)
+        self.record = record
 
     def append(self, items: list[dict]) -> None:
         self.send({"items": items})

@@ -26,6 +26,7 @@ CSS = (
 .monarch-rank-scroll{flex:1;min-width:0;max-height:24em;overflow-y:auto;display:flex;flex-direction:column-reverse}
 .monarch-rank-scroll.monarch-all{max-height:none}
 .monarch-rank-body{min-width:0}
+.monarch-rank-members{font-weight:normal;font-size:11px;color:var(--jp-content-font-color2,#666)}.monarch-rank-members summary{cursor:pointer}.monarch-rank-members[open]{max-height:16em;overflow-y:auto}
 .monarch-rank-more{display:block;margin-top:2px;font:inherit;font-size:11px;font-weight:normal;cursor:pointer;color:var(--jp-content-font-color2,#666);background:none;border:1px solid var(--jp-border-color2,#ccc);border-radius:2px;padding:0 4px}
 .monarch-ranks .monarch-rank-body pre{margin:0;white-space:pre-wrap;word-break:break-word;background:transparent;padding:0;color:inherit}
 .monarch-rank-body .jp-RenderedText{padding:0}
@@ -37,6 +38,7 @@ CSS = (
 .monarch-table th,.monarch-table td{padding:2px 8px;text-align:left;border-bottom:1px solid var(--jp-border-color2,#ddd);font-family:var(--jp-code-font-family,monospace)}
 .monarch-table caption{text-align:left;font-weight:600;padding:2px 0}
 .monarch-mesh-table td{white-space:nowrap}.monarch-mesh-table td.monarch-wrap{white-space:normal;min-width:10em}
+.monarch-host-toggle{font:inherit;cursor:pointer;background:none;border:none;padding:0 2px;color:inherit}.monarch-host-ranks>td{padding-left:16px}
 .monarch-status-idle{color:var(--jp-success-color1,#2a7d2a)}.monarch-status-busy{color:var(--jp-warn-color1,#b36b00)}
 .monarch-status-failed{color:var(--jp-error-color1,#c00);font-weight:600}.monarch-status-stopped{color:var(--jp-ui-font-color2,#888)}
 .monarch-tensor select{margin:2px 0 4px 0}

@@ -106,6 +106,8 @@ class SyntheticRanks(threading.Thread):
         for rank, *_, (_, _, rank_topic) in msg.starts:
             self.by_topic[rank_topic] = [rank]
         self.fns: dict[int, Any] = {}
+        self.namespaces: dict[int, dict[str, Any]] = {}
+        """Rank -> the namespace its `%%mesh` cells run in."""
         self.actors: dict[tuple[int, str], Any] = {}
         """(rank, name) -> that rank's actor: what the workers' `monarch.runtime.worker.actors` keeps per process."""
         self.seen = dict.fromkeys(self.ranks, 0)
@@ -182,8 +184,11 @@ class SyntheticRanks(threading.Thread):
 
         if msg.fn is not None:
             fn = cloudpickle.loads(msg.fn)
-            if getattr(fn, "__module__", "") == "monarch.runtime.worker.actors":  # (actors: a worker's own functions)
+            module = getattr(fn, "__module__", "")
+            if module == "monarch.runtime.worker.actors":  # (actors: a worker's own functions)
                 fn = getattr(self, f"_actor_{fn.__name__}")
+            elif module == "monarch.runtime.worker.cells":  # (a %%mesh cell)
+                fn = getattr(self, f"_cell_{fn.__name__}")
             self.fns[msg.fid] = fn
         fn = self.fns[msg.fid]
         args, kwargs = codec.loads(env.body, env.buffers)
@@ -214,6 +219,18 @@ class SyntheticRanks(threading.Thread):
 
     def _actor_stop(self, name: str) -> bool:
         return self.actors.pop((RANK, name), None) is not None
+
+    # a `%%mesh` cell (`monarch.runtime.worker.cells.run_cell`): run in the rank's namespace, what it prints sent
+    def _cell_run_cell(self, source: str, filename: str) -> None:
+        import contextlib
+        import io
+
+        ns = self.namespaces.setdefault(RANK, {"__name__": "__main__", "rank": RANK})
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(source, filename, "exec"), ns)
+        if out.getvalue():
+            _said.append(out.getvalue())
 
 
 def _agent_class() -> type:
