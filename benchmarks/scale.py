@@ -14,6 +14,8 @@ controller's CPU (`time.process_time`: all its threads) and the wall time, per:
   controller in (each host's agent bundles its ranks' replies: `runtime/wire/fanin.py`; `--no-bundles` turns
   that off, `MONARCH_BUNDLE_WAIT_US=0`, for the figures without it);
 - an actor endpoint `call()` on an actor on every rank (mean of `--calls`);
+- a tensor-engine op issued (`x = x + 1` under `mesh.activate()`, 2,000 of them after one untimed round; the
+  engine sends them in batches, one signed message per batch whatever the ranks; the synthetic ranks drop them);
 - one printed line from every rank, until the call returns (every line handed to the output first);
 - one rank failing: until the grouped `RemoteError` naming it is raised.
 
@@ -41,7 +43,11 @@ import monarch, monarch.notebook
 from monarch.runtime.controller import get_controller
 from helpers.synthetic_hosts import Counter, SyntheticJob, fail_on, noop, say
 
-hosts, per_host, calls = {hosts}, {per_host}, {calls}
+hosts, per_host, calls, ops = {hosts}, {per_host}, {calls}, 2000
+
+
+def transport_sends(mesh):  # messages sent to the mesh so far (one number per signed send, whatever the ranks)
+    return mesh.spawned.backend.transport._meshes[mesh.spawned.mesh_id].seq
 ranks = hosts * per_host
 out = {{"ranks": ranks, "hosts": hosts}}
 job = SyntheticJob(Path(tempfile.mkdtemp()), "scale", hosts=hosts)
@@ -66,6 +72,19 @@ try:
     assert counters.incr.call().get().values() == [1] * ranks
     cpu, wall = timed(lambda: [counters.incr.call().get() for _ in range(calls)])
     out["actor_cpu_ms"], out["actor_ms"] = 1e3 * cpu / calls, 1e3 * wall / calls
+    import torch
+
+    def issue():
+        with mesh.activate():
+            t = torch.zeros(4)
+            for _ in range(ops):
+                t = t + 1
+
+    issue()  # (the first time: the capture's own set-up)
+    sent = transport_sends(mesh)
+    cpu, wall = timed(issue)
+    out["op_cpu_us"], out["op_us"] = 1e6 * cpu / ops, 1e6 * wall / ops
+    out["op_batches"] = transport_sends(mesh) - sent
     lines = []
     controller = get_controller()
     controller.output, shown = lines.append, controller.output  # (counted, not printed)
@@ -110,13 +129,14 @@ def one_size(hosts: int, per_host: int, calls: int, bundles: bool = True) -> dic
 def table(rows: list[dict]) -> str:
     out = [
         "| ranks (hosts) | attach + spawn | no-op call: controller CPU / wall | messages per call | actor `call()` "
-        "| a line from every rank | one rank of all failing |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| a tensor op issued: CPU / wall | a line from every rank | one rank of all failing |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         out.append(
             f"| {r['ranks']:,} ({r['hosts']}) | {r['spawn_s']:.2f} s | {r['noop_cpu_ms']:.2f} / {r['noop_ms']:.2f} ms "
             f"| {r['noop_bundles'] or r['ranks']:g} | {r['actor_cpu_ms']:.2f} / {r['actor_ms']:.2f} ms "
+            f"| {r['op_cpu_us']:.1f} / {r['op_us']:.1f} µs "
             f"| {r['print_cpu_ms']:.1f} / {r['print_ms']:.1f} ms | {r['fail_cpu_ms']:.1f} / {r['fail_ms']:.1f} ms |"
         )
     return "\n".join(out)

@@ -1,10 +1,12 @@
 """Scale-out on a real Slurm: monarch's host agents vs ipyparallel's Slurm launcher, side by side.
 
     sudo python benchmarks/scale_out.py [--hosts 1,2,4] [--workers 2]     # or: ./run bench --slurm
+                                        [--no-peers] [--compare-bundles]
 
 Needs root and Slurm's packages (as the scale-out tests do): it brings up tests/helpers/slurm_cluster.py's Slurm
 with 4 fake hosts (network namespaces on a bridge, a slurmd each) and takes it all down again at the end.
-For each host count H (W workers per host), each side in a fresh process:
+For each host count H (W workers per host), each side in a fresh process (`--no-peers`: monarch alone;
+`--compare-bundles`: monarch again with its agents sending each reply up as it came, `MONARCH_BUNDLE_WAIT_US=0`):
 
 - monarch: `monarch.notebook.reserve(H)` (sbatch, agents up with torch preloaded), `job.spawn_procs({"gpu": W})`,
   the first no-op live function back: *reserve to first call*; then the no-op round trip (median), the
@@ -252,11 +254,19 @@ def main() -> None:
     ipdir = tempfile.mkdtemp(prefix="monarch-bench-ipython-")
     env = dict(os.environ, SLURM_CONF=str(cluster.conf), MONARCH_JOBS_DIR=jobs, IPYTHONDIR=ipdir)
     try:
+        peers, compare = "--no-peers" not in args, "--compare-bundles" in args
         for hosts in counts:
             ours = measure(MONARCH, hosts, workers, env)
-            local = measure(LOCAL, hosts, workers, env)
-            ipp = measure(IPYPARALLEL, hosts, workers, env)
+            local = measure(LOCAL, hosts, workers, env) if peers else None
+            ipp = measure(IPYPARALLEL, hosts, workers, env) if peers else None
             report(hosts, workers, ours, local, ipp)
+            apart = measure(MONARCH, hosts, workers, dict(env, MONARCH_BUNDLE_WAIT_US="0")) if compare else None
+            if apart:
+                print(
+                    f"  monarch, one message per rank (no bundles): no-op round trip {apart['rtt'] * 1e3:.2f} ms; "
+                    f"controller CPU {apart['cpu_call'] * 1e6:.0f} us per call; reserve to first call "
+                    f"{apart['first']:.2f} s"
+                )
     finally:
         cluster.stop()
         subprocess.run(["rm", "-rf", jobs, ipdir], check=False)
