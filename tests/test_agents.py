@@ -34,7 +34,8 @@ def job(tmp_path_factory):
     source.mkdir()
     (source / "udf.py").write_text("def version():\n    return 1\n")
     (source / "data.txt").write_text("unchanged\n")
-    j = AgentJob(root, "agents", hosts=2, workspace=source)
+    # (meshes of any size bundled: the fan-in that larger meshes get, shown here with real workers)
+    j = AgentJob(root, "agents", hosts=2, workspace=source, env={"MONARCH_BUNDLE_ABOVE": "0"})
     j.source = source
     j.start()
     yield j
@@ -178,6 +179,24 @@ def test_a_stranger_without_the_jobs_key_gets_no_answer(job, mesh):
     assert s.poll(1000) == 0
     s.close(0)
     assert where.on(mesh)().values() == [6.0] * 4  # the agents serve on
+
+
+def test_a_mesh_of_few_ranks_is_not_bundled_its_replies_go_up_as_they_came(tmp_path):
+    """Bundling pays on many ranks (`MONARCH_BUNDLE_ABOVE`, 64); below, each reply goes straight up through the
+    agent's C proxy (a hop through its Python would cost each call latency)."""
+    from monarch.runtime.controller import get_controller
+
+    j = AgentJob(tmp_path, "unbundled", hosts=1)
+    j.start()
+    try:
+        mesh = monarch.notebook.job("unbundled").spawn_procs({"gpu": 3})
+        transport = get_controller().backend.transport
+        before = transport.bundles
+        assert speak.on(mesh)().values() == [0, 0, 1]
+        assert transport.bundles == before
+        mesh.exit()
+    finally:
+        assert j.stop() == []
 
 
 CONTROLLER = textwrap.dedent(

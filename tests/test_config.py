@@ -19,6 +19,7 @@ def test_defaults_and_values_read_from_the_environment():
     assert Settings().worker_spin == 0.0005 and from_env({"MONARCH_WORKER_SPIN_US": "50"}).worker_spin == 0.00005
     assert from_env({"MONARCH_WORKER_SPIN_US": "0"}).worker_spin == 0
     assert Settings().bundle_wait == 0.002 and from_env({"MONARCH_BUNDLE_WAIT_US": "0"}).bundle_wait == 0
+    assert Settings().bundle_above == 64 and from_env({"MONARCH_BUNDLE_ABOVE": "0"}).bundle_above == 0
 
 
 NICE = "give an integer from 0 (the controller's priority) to 19"

@@ -226,17 +226,19 @@ class Agent:
         self.attached, self.attached_fd, self.controller = None, -1, ""
 
     # -- workers -----------------------------------------------------------------------------------------
-    def admit(self, msg: protocol.StartWorkers) -> list[int]:
-        """This host's ranks of the mesh `msg` starts: their topics allowed, their messages bundled."""
+    def admit(self, msg: protocol.StartWorkers) -> tuple[list[int], str]:
+        """This host's ranks of the mesh `msg` starts, their topics allowed, and the address they send replies to:
+        bundled by this agent when the mesh has more than `Settings.bundle_above` ranks and this host several."""
         ranks = [s[0] for s in msg.starts]
         topics = [msg.starts[0][4][1]] + [s[4][2] for s in msg.starts] if msg.starts else []
         self.meshes[msg.mesh_id] = _Mesh(ranks, topics)
-        if msg.starts:
-            self.relay.add_mesh(msg.mesh_id, msg.starts[0][4][0], ranks, topics)
-        return ranks
+        if not msg.starts:
+            return ranks, self.relay.local["reply"]
+        bundled = msg.size > self.settings.bundle_above and len(ranks) > 1
+        return ranks, self.relay.add_mesh(msg.mesh_id, msg.starts[0][4][0], ranks, topics, bundled)
 
     def _start(self, msg: protocol.StartWorkers) -> None:
-        ranks = self.admit(msg)
+        ranks, reply = self.admit(msg)
         path = self.procs.add(msg.mesh_id, msg.size, len(ranks))
         self.procs.started(msg.mesh_id, True)  # every exit from now on is news for the controller
         local = len(msg.starts)
@@ -248,7 +250,7 @@ class Agent:
         cwd = self.cfg.workspace or (msg.cwd if os.path.isdir(msg.cwd) else os.getcwd())
         sys_path = ([self.cfg.workspace] if self.cfg.workspace else []) + list(sys.path)
         sys_path += [p for p in msg.sys_path if p not in sys_path and os.path.isdir(p)]  # (a shared home's)
-        addrs = (self.relay.local["cmd"], self.relay.local["reply"], self.relay.local["store"])
+        addrs = (self.relay.local["cmd"], reply, self.relay.local["store"])
         for rank, coords, label, local_rank, (key, mesh_topic, rank_topic) in msg.starts:
             keys = WorkerKeys(msg.mesh_id, rank, key, mesh_topic, rank_topic, *addrs)
             env = dict(base, RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(msg.size),

@@ -5,9 +5,12 @@ private directory).
   local command socket, which reaches every worker subscribed to its (secret) topic. Workers' subscriptions
   and start-up messages go the other way: a subscription to a topic the agent was given is applied here and
   passed up (so the controller sends this host the mesh's commands), the start-up message after it.
-- Replies and output: checked, held for a moment and sent up in bundles, one per mesh, each distinct message once
-  with the ranks that sent it (`wire/fanin.py`); anything else (input requests, stacks, large messages) goes up
-  as it came, after what its mesh's ranks sent before it.
+- Replies, output, input requests: straight up (a ZeroMQ proxy, no Python per message), for meshes of up to
+  `Settings.bundle_above` ranks. A larger mesh's workers send to a socket of their own, whose messages are
+  checked, held for a moment and sent up in bundles, one per mesh, each distinct message once with the ranks that
+  sent it (`wire/fanin.py`; anything it does not bundle goes up as it came, after what its mesh's ranks sent
+  before it); the bundles join the proxy's stream in-process. A mesh of few ranks gains nothing from bundles and
+  would pay the Python hop on every reply.
 - The store: each request goes up with the worker's identity and an empty frame before it, each answer
   comes back the same way and goes to that worker.
 
@@ -65,11 +68,16 @@ class Relay:
         self.cmd = self._socket(zmq.XPUB)
         self.cmd.setsockopt(zmq.XPUB_MANUAL, 1)
         self.reply = self._socket(zmq.PULL)
+        self.bundle = self._socket(zmq.PULL)
         self.store = self._socket(zmq.ROUTER)
         self.local = {}
-        for sock, name in ((self.cmd, "cmd"), (self.reply, "reply"), (self.store, "store")):
+        for sock, name in ((self.cmd, "cmd"), (self.reply, "reply"), (self.bundle, "bundle"), (self.store, "store")):
             sock.bind(f"ipc://{directory}/{name}")
             self.local[name] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # the fan-in's output joins the proxy's input: one thread only ever sends on `up_reply`
+        self.reply.bind(f"inproc://monarch-relay-bundles-{id(self)}")
+        self._bundled = self._socket(zmq.PUSH)
+        self._bundled.connect(f"inproc://monarch-relay-bundles-{id(self)}")
         self.fanin = FanIn(index, self._send_up, log, bundle_wait)
         self._stop_r, self._stop_w = os.pipe()
         self._wake_r, self._wake_w = os.pipe()
@@ -79,6 +87,7 @@ class Relay:
         self._threads = [
             threading.Thread(target=self._commands, name="monarch-relay-cmd", daemon=True),
             threading.Thread(target=self._replies, name="monarch-relay-reply", daemon=True),
+            threading.Thread(target=self._bundles, name="monarch-relay-bundle", daemon=True),
             threading.Thread(target=self._store, name="monarch-relay-store", daemon=True),
         ]
         for t in self._threads:
@@ -98,12 +107,15 @@ class Relay:
         with self._lock:
             self.topics.update(topics)
 
-    def add_mesh(self, mesh_id: int, key: bytes, ranks: list[int], topics: list[bytes]) -> None:
-        """This host runs `ranks` of mesh `mesh_id` (signed with `key`; commands come on `topics`)."""
-        self.fanin.add_mesh(mesh_id, key, ranks)
+    def add_mesh(self, mesh_id: int, key: bytes, ranks: list[int], topics: list[bytes], bundled: bool) -> str:
+        """This host runs `ranks` of mesh `mesh_id` (signed with `key`; commands come on `topics`); `bundled`:
+        their replies are bundled. The address its workers send their replies to."""
+        if bundled:
+            self.fanin.add_mesh(mesh_id, key, ranks)
         for topic in topics:
             self.mesh_of[topic] = mesh_id
         self.allow(topics)
+        return self.local["bundle" if bundled else "reply"]
 
     def forbid(self, topics: list[bytes]) -> None:
         """The mesh of `topics` is gone: this host unsubscribes from them (a controller that connects later
@@ -181,12 +193,18 @@ class Relay:
             self.fanin.saw_command(mesh_id, frame[TOPIC:])
 
     def _send_up(self, frames: Any) -> None:
-        self.up_reply.send_multipart(frames, copy=False)
+        self._bundled.send_multipart(frames, copy=False)
 
     def _replies(self) -> None:
-        """Replies, output and the rest, up: through the fan-in, which bundles them."""
+        try:
+            zmq.proxy(self.reply, self.up_reply)
+        except zmq.ZMQError:  # the sockets were closed: the agent is ending
+            pass
+
+    def _bundles(self) -> None:
+        """The workers of large meshes: their replies, output and the rest through the fan-in, which bundles them."""
         poller = zmq.Poller()
-        poller.register(self.reply, zmq.POLLIN)
+        poller.register(self.bundle, zmq.POLLIN)
         poller.register(self._stop_r, zmq.POLLIN)
         fanin = self.fanin
         while True:
@@ -196,10 +214,10 @@ class Relay:
                 ready = dict(poller.poll(timeout))
                 if self._stop_r in ready:
                     return
-                if self.reply in ready:
+                if self.bundle in ready:
                     for _ in range(4096):  # (then the held messages' time is looked at)
                         try:
-                            frames = self.reply.recv_multipart(_NOBLOCK, copy=False)
+                            frames = self.bundle.recv_multipart(_NOBLOCK, copy=False)
                         except zmq.Again:
                             break
                         fanin.take(frames)
@@ -207,7 +225,7 @@ class Relay:
             except zmq.ContextTerminated:
                 return
             except zmq.ZMQError:
-                if self.reply.closed or self.up_reply.closed:
+                if self.bundle.closed or self._bundled.closed:
                     return  # the agent is ending
                 self.log("the reply relay", traceback.format_exc(limit=3))
             except Exception:
@@ -251,4 +269,5 @@ class Relay:
     def close(self) -> None:
         os.write(self._stop_w, b"x")
         for t in self._threads:
-            t.join(2)
+            if t.name != "monarch-relay-reply":  # (the proxy ends when the context does)
+                t.join(2)

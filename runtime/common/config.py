@@ -79,6 +79,11 @@ class Settings:
     same call's to join them, so that they go to the controller as one bundle (`wire/fanin.py`): a call's replies
     go at once when all of the host's ranks it addressed answered, and anything else goes at least this soon.
     0 turns bundling off (each message goes up as it came)."""
+    bundle_above: int = 64
+    """[MONARCH_BUNDLE_ABOVE] Host agents bundle the replies of meshes of more ranks than this (and only on hosts
+    with several of its ranks). A smaller mesh's replies go up as they came, through a C proxy: bundling saves the
+    controller ~10 µs a rank but costs each reply a hop through the agent's Python (~0.1-0.2 ms a call on a
+    2-core machine); it pays where ranks are many. 0: every mesh of several ranks a host."""
     prewarm: bool = True
     """[MONARCH_PREWARM] ``1`` (the default) or ``0``: whether the Monarch kernel starts the workers' fork server
     (the process that imports torch once, workers being forked from it) as the kernel starts, so that its
@@ -94,6 +99,7 @@ _ENV = {
     "spin": "MONARCH_SPIN_US",
     "worker_spin": "MONARCH_WORKER_SPIN_US",
     "bundle_wait": "MONARCH_BUNDLE_WAIT_US",
+    "bundle_above": "MONARCH_BUNDLE_ABOVE",
     "send_hwm": "MONARCH_SEND_HWM",
     "send_stall": "MONARCH_SEND_STALL",
     "frozen_after": "MONARCH_FROZEN_AFTER",
@@ -146,6 +152,8 @@ def from_env(env: dict[str, str] | os._Environ = os.environ) -> Settings:
             values[field] = text.strip().lower() in ("1", "true", "yes")
         elif field == "send_hwm":
             values[field] = _number(var, text, int, 1)
+        elif field == "bundle_above":
+            values[field] = _number(var, text, int, 0)
         elif field == "worker_nice":
             try:
                 nice = int(text)

@@ -121,7 +121,7 @@ class SyntheticRanks(threading.Thread):
         self.out = agent.ctx.socket(zmq.PUSH)
         self.out.setsockopt(zmq.SNDHWM, 0)
         self.out.setsockopt(zmq.LINGER, 2000)
-        self.out.connect(relay.local["reply"])
+        self.out.connect(agent.reply_addr)
         for topic in self.by_topic:
             self.cmd.send(b"\x01" + topic)
         from monarch.runtime.wire.keys import HELLO
@@ -246,7 +246,7 @@ def _agent_class() -> type:
 
         def _start(self, msg: protocol.StartWorkers) -> None:
             self.synthetic = getattr(self, "synthetic", {})
-            self.admit(msg)
+            _, self.reply_addr = self.admit(msg)
             for p in msg.sys_path:  # (the workloads' module, by reference)
                 if p not in sys.path and os.path.isdir(p):
                     sys.path.append(p)
