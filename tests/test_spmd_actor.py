@@ -44,13 +44,23 @@ def actors(procs):
     return procs.spawn("_SPMDActor", SPMDActor)
 
 
-def torchrun(args: list[str], nproc: int = 2, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python -m torch.distributed.run --nproc-per-node N ...` from the checkout, one thread per process."""
+TEARDOWN_ABORT = "terminate called without an active exception"
+"""What gloo's threads say when a peer's connection closes under them as torch's process group is destroyed: seen
+once under torchrun on a loaded machine, after every rank had written its results."""
+
+
+def torchrun(
+    args: list[str], nproc: int = 2, timeout: float = 120, written: list | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run --nproc-per-node N ...` from the checkout, one thread per process. With
+    `written` (the files that say each rank finished its work), a rank aborted by gloo at teardown after they were
+    all written still counts as the reference run it is (the comparison is of what they hold)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", *args]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    torn_down = written is not None and TEARDOWN_ABORT in done.stdout + done.stderr and all(f.exists() for f in written)
+    assert done.returncode == 0 or torn_down, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
 
@@ -67,7 +77,8 @@ def run_main(actors, procs, script_args: list[str]):
 
 def test_ddp_and_fsdp2_give_torchruns_losses_and_environment_and_run_again(procs, actors, tmp_path):
     (tmp_path / "torchrun").mkdir()
-    torchrun([SCRIPT, "--out", str(tmp_path / "torchrun")])
+    out = tmp_path / "torchrun"
+    torchrun([SCRIPT, "--out", str(out)], written=[out / f"rank{r}.json" for r in range(2)])
     expected = read(tmp_path / "torchrun")
 
     (tmp_path / "spmd").mkdir()
