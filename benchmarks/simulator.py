@@ -150,7 +150,14 @@ def real_side(mesh, make, train, data, n: int, cuda: bool = False) -> dict:
         monarch.inspect(loss)
         summary = prof.result.summary if prof.result is not None else None
     overlaps = [r.overlap_pct or 0.0 for r in summary.ranks] if summary is not None else []  # percent
-    return {"step": statistics.median(times[2:]), "peak": statistics.median(peaks), "overlap": _mean(overlaps)}
+    kept = sorted(times[2:])
+    quart = (kept[(3 * len(kept)) // 4] - kept[len(kept) // 4]) / statistics.median(kept)
+    return {
+        "step": statistics.median(kept),
+        "peak": statistics.median(peaks),
+        "overlap": _mean(overlaps),
+        "spread": quart,  # (the real steps' interquartile range over their median: how steady the machine was)
+    }
 
 
 def sim_side(profile, hosts: int, gpus: int, make, train, data, n: int) -> dict:
@@ -167,6 +174,10 @@ def sim_side(profile, hosts: int, gpus: int, make, train, data, n: int) -> dict:
     overlaps = [v or 0.0 for v in s.overlap().values()]
     sim.exit()
     return {"step": statistics.median(times[2:]), "peak": peak, "overlap": 100 * _mean(overlaps)}
+
+
+NOISY_STEPS = 0.25
+"""Real steps whose interquartile range exceeds this share of their median: the machine was not steady."""
 
 
 def _quietly(fn, *args, **kwargs):
@@ -186,7 +197,7 @@ def _mean(xs) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=7, help="measure each side this many times; report the median")
     ap.add_argument("--profile", default=None, help="a calibrated profile (default: calibrate before each round)")
     ap.add_argument("--only", default="", help="run the programs whose name contains this")
@@ -208,20 +219,31 @@ def main() -> None:
     reals: dict[str, list] = {name: [] for name in chosen}
     sims: dict[str, list] = {name: [] for name in chosen}
     sheets: dict[str, list] = {name: [] for name in chosen}
+    trusts: list[str] = []
     # rounds outside, programs inside: each round calibrates once (a VM speeds up and slows down within
     # minutes), then measures every program on both sides, alternately
     for i in range(args.rounds):
         print(f"round {i + 1} of {args.rounds}", file=sys.stderr, flush=True)
         if args.profile is None:
-            _quietly(Simulator.calibrate, profile_path, workers=args.workers)
+            profile = _quietly(Simulator.calibrate, profile_path, workers=args.workers)
+            trusts.append(profile.trust().removeprefix("; ") or "one pass")
         for name, (make, train, data) in chosen.items():
             reals[name].append(real_side(mesh, make, train, data, args.steps, args.device == "cuda"))
             sims[name].append(sim_side(profile_path, 1, args.workers, make, train, data, args.steps))
             if args.device == "cuda":  # the datasheet's H100 beside the calibration
                 sheets[name].append(sim_side("h100", 1, args.workers, make, train, data, args.steps))
     rows = []
+    worst: list[tuple[float, str]] = []
+    said: list[str] = []
     for name in chosen:
         real, sim = _medians(reals[name]), _medians(sims[name])
+        errors = [(s["step"] - r["step"]) / r["step"] for r, s in zip(reals[name], sims[name])]
+        worst.append((max(errors, key=abs), name))
+        noisy = [i + 1 for i, r in enumerate(reals[name]) if r["spread"] > NOISY_STEPS]
+        if noisy:
+            said.append(
+                f"{name}: real steps spread by more than {100 * NOISY_STEPS:.0f}% (interquartile) in round(s) {noisy}"
+            )
         e_step = (sim["step"] - real["step"]) / real["step"]
         e_peak = (sim["peak"] - real["peak"]) / real["peak"] if real["peak"] else float("nan")
         rows.append((name, real, sim))
@@ -237,6 +259,15 @@ def main() -> None:
                 f"{'  (datasheet h100)':<42}{'':>13}{1000 * sheet:>8.2f}{100 * (sheet - real['step']) / real['step']:>7.0f}%"
             )
     mesh.exit()
+    if worst:
+        e, name = max(worst, key=lambda x: abs(x[0]))
+        print(f"worst round: {100 * e:+.0f}% ({name}); overlap error (points): "
+              + ", ".join(f"{r[2]['overlap'] - r[1]['overlap']:+.1f}" for r in rows))  # fmt: skip
+    for i, trust in enumerate(trusts):
+        if "NOISY" in trust:
+            said.append(f"round {i + 1}'s calibration: {trust}")
+    for line in said:
+        print(f"noisy: {line}")
     if len(rows) < 3 or args.workers < 2:  # (one worker has no one to overlap communication with)
         return
     real_o = [rows[i][1]["overlap"] for i in range(3)]

@@ -18,6 +18,7 @@ the latency, half the bandwidth of the local links.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import socket
@@ -25,12 +26,14 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from monarch.runtime.mesh import this_host
 from monarch.runtime.remote import RemoteFunction
 from monarch.runtime.simulator import devices
-from monarch.runtime.simulator.devices import DeviceProfile
+from monarch.runtime.simulator.devices import NOISY, STEERING, DeviceProfile
 from monarch.runtime.tensor.engine import flush
 
 WORKER = "monarch.runtime.worker.calibration"
@@ -38,30 +41,123 @@ SMALL = 256
 """Floats in the small reduce (its time is mostly latency)."""
 
 
-def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bool = False) -> DeviceProfile:
-    """Measure, save (to `path`, default this machine's profile) and return the profile."""
+PASSES = 3
+"""Times `calibrate()` measures everything, one pass after another; each figure is the median of its passes."""
+
+
+def calibrate(
+    path: str | os.PathLike | None = None,
+    workers: int = 4,
+    quick: bool = False,
+    passes: int | None = None,
+    simulator: Callable[[DeviceProfile, int], Any] | None = None,
+) -> DeviceProfile:
+    """Measure, save (to `path`, default this machine's profile) and return the profile.
+
+    Everything is measured `passes` times (default `PASSES`, 1 if `quick`), one pass after another; each
+    figure is the median of its passes, and how far the passes spread, (max - min) / median, is kept per
+    figure in the profile's `spread`; `simulator(profile, workers)` (a `Simulator` on one host) simulates a
+    sample step with each pass's figures, and how far apart those land is said on stderr. A machine too
+    busy to calibrate (steps more than `NOISY` apart) is named there rather than averaged away."""
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ValueError(f"calibrate: workers must be a positive integer, got {workers!r}")
+    if passes is None:
+        passes = 1 if quick else PASSES
+    if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
+        raise ValueError(f"calibrate: passes must be a positive integer, got {passes!r}")
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     n = gpus or workers
-    print(f"monarch.Simulator.calibrate: measuring {n} {'GPU' if gpus else 'CPU'} worker(s)…", file=sys.stderr)
+    print(
+        f"monarch.Simulator.calibrate: measuring {n} {'GPU' if gpus else 'CPU'} worker(s), {passes} pass(es)…",
+        file=sys.stderr,
+    )
     mesh = this_host().spawn_procs({"gpu": n})
     try:
-        per_rank = RemoteFunction.by_name(WORKER, "measure", mesh).call_async(quick=quick).result().values()
-        rtt = _round_trip(mesh)
-        shared_cores = n > 1 and not gpus  # (CPU workers: compute, reduces and threads contend; gloo's ring)
-        comm = [_engine_reduces(mesh, rtt, quick, one_element=shared_cores)] if n > 1 else []
-        handoff = _handoff(mesh, quick) if shared_cores else 0.0
-        slowdown = 1.0 if gpus else _controller_slowdown(mesh, quick)
-        load = _controller_load(mesh, rtt, quick) if shared_cores else 1.0
-        one_rank = _one_rank_reduce(mesh, rtt, quick)
-        in_program, extra, after_reduce, beside_reduce, ends = _sample_step_costs(
-            mesh, quick, "cuda" if gpus else "cpu"
-        )
+        profiles = [_one_pass(mesh, n, gpus, quick) for _ in range(passes)]
     finally:
         mesh.exit()
+    steps = _simulated_steps(simulator, profiles, n, "cuda" if gpus else "cpu") if passes > 1 and simulator else None
+    profile = _combine(profiles, steps)
+    print(f"monarch.Simulator.calibrate: {confidence(profile)}", file=sys.stderr)
+    out = Path(path) if path is not None else devices.local_profile_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(profile.to_json())
+    print(f"monarch.Simulator.calibrate: saved {out}", file=sys.stderr)
+    return profile
+
+
+def confidence(profile: DeviceProfile) -> str:
+    """One line on how far a profile's passes agreed: a step simulated with each pass's figures, the figures
+    that moved most, and whether the machine was too noisy to trust it."""
+    if "step" not in profile.spread:
+        return "one pass: no spread measured (calibrate(passes=3) measures it)"
+    steps = profile.measured.get("steps", [])
+    spread = {k: v for k, v in profile.spread.items() if k in STEERING}
+    moved = sorted(spread, key=spread.__getitem__, reverse=True)[:3]
+    said = (
+        f"a sample training step simulated with each of the {len(steps)} passes' figures takes "
+        f"{' / '.join(f'{1000 * t:.2f}' for t in steps)} ms ({100 * profile.spread['step']:.0f}% apart; the figures "
+        f"that moved most: {', '.join(f'{k} {100 * spread[k]:.0f}%' for k in moved)})"
+    )
+    if profile.spread["step"] > NOISY:
+        return (
+            f"THIS MACHINE WAS TOO NOISY TO CALIBRATE WELL: {said}; simulated times may be off by as much: "
+            "calibrate again with nothing else running"
+        )
+    return said
+
+
+def _simulated_steps(
+    simulator: Callable[[DeviceProfile, int], Any], profiles: list[DeviceProfile], n: int, device: str
+) -> list[float]:
+    """Seconds a step of the sample model (its gradients reduced on main as they come, then fetched) takes
+    simulated with each profile: how far the passes' figures move a step, the calibration's confidence."""
+    import torch
+
+    from monarch.runtime.fetch import inspect
+    from monarch.runtime.tensor.comms import grad_generator
+
+    out = []
+    for profile in profiles:
+        sim = simulator(profile, n)
+        sim._backend.warned = True  # (its values are not computed: said to people who fetch them, not here)
+        try:
+            with sim.mesh.activate():
+                torch.manual_seed(0)
+                model = _sample_model().to(device)
+                params = list(reversed(list(model.parameters())))
+            times = []
+            for _ in range(4):
+                start = sim.time
+                with sim.mesh.activate():
+                    x = torch.randint(0, 32, (2, 6), device=device)
+                    loss = model(x, x.roll(1, 1))
+                    with torch.no_grad():
+                        for p, g in zip(params, grad_generator(loss, params)):
+                            if n > 1:
+                                g.reduce_("gpu", "sum")
+                            p.add_(g * -0.01)
+                inspect(loss)
+                times.append(sim.time - start)
+            out.append(statistics.median(times[1:]))
+        finally:
+            sim.exit()
+    return out
+
+
+def _one_pass(mesh, n: int, gpus: int, quick: bool) -> DeviceProfile:
+    """Everything measured once, as a profile."""
+    per_rank = RemoteFunction.by_name(WORKER, "measure", mesh).call_async(quick=quick).result().values()
+    rtt = _round_trip(mesh)
+    shared_cores = n > 1 and not gpus  # (CPU workers: compute, reduces and threads contend; gloo's ring)
+    comm = [_engine_reduces(mesh, rtt, quick, one_element=shared_cores)] if n > 1 else []
+    handoff = _handoff(mesh, quick) if shared_cores else 0.0
+    slowdown = 1.0 if gpus else _controller_slowdown(mesh, quick)
+    load = _controller_load(mesh, rtt, quick) if shared_cores else 1.0
+    one_rank = _one_rank_reduce(mesh, rtt, quick)
+    in_program, extra, after_reduce, beside_reduce, ends = _sample_step_costs(mesh, quick, "cuda" if gpus else "cpu")
 
     def med(key: str) -> float:
         return statistics.median(r[key] for r in per_rank)
@@ -84,7 +180,7 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
         nbytes = 4 * ((1 << 18) - SMALL)
         intra_bw = (2 * (n - 1) / n) * nbytes / max(large - small, 1e-9)
     name = f"{socket.gethostname()}-{'gpu' if gpus else 'cpu'}"
-    profile = DeviceProfile(
+    return DeviceProfile(
         name=name,
         kind="gpu" if gpus else "cpu",
         flops={"float32": flops, "default": flops},
@@ -125,11 +221,44 @@ def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bo
             "step_ends": ends,
         },
     )
-    out = Path(path) if path is not None else devices.local_profile_path()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(profile.to_json())
-    print(f"monarch.Simulator.calibrate: saved {out}", file=sys.stderr)
-    return profile
+
+
+def _combine(profiles: list[DeviceProfile], steps: list[float] | None = None) -> DeviceProfile:
+    """One profile from several passes: each figure the median of its passes, their spread kept (and that of
+    `steps`, a step simulated with each pass's figures, as ``step``)."""
+    first = profiles[0]
+    if len(profiles) == 1:
+        return first
+    values: dict[str, object] = {}
+    each: dict[str, list[float]] = {}
+    for f in dataclasses.fields(DeviceProfile):
+        xs = [getattr(p, f.name) for p in profiles]
+        if isinstance(xs[0], float) and not isinstance(xs[0], bool):
+            values[f.name] = statistics.median(xs)
+            each[f.name] = xs
+    ops = sorted({op for p in profiles for op in p.op_extra})
+    values["op_extra"] = {op: statistics.median(p.op_extra.get(op, 0.0) for p in profiles) for op in ops}
+    each["op_extra"] = [sum(p.op_extra.values()) for p in profiles]
+    flops = statistics.median(p.flops["float32"] for p in profiles)
+    values["flops"] = {"float32": flops, "default": flops}
+    each["flops"] = [p.flops["float32"] for p in profiles]
+    measured = {k: v for k, v in first.measured.items() if k in ("workers", "cores")}
+    if steps:
+        each["step"] = [float(t) for t in steps]
+        measured["steps"] = [float(t) for t in steps]
+    measured["range"] = {k: max(xs) - min(xs) for k, xs in each.items()}
+    measured["passes"] = [p.measured for p in profiles]
+    spread = {k: _spread(xs) for k, xs in each.items()}
+    return dataclasses.replace(first, **values, spread=spread, measured=measured)  # type: ignore[arg-type]
+
+
+def _spread(xs: list[float]) -> float:
+    """(max - min) / median of `xs` (of the mean magnitude where the median is 0); 0 when all are equal."""
+    lo, hi = min(xs), max(xs)
+    if hi == lo:
+        return 0.0
+    mid = abs(statistics.median(xs)) or statistics.fmean(abs(x) for x in xs)
+    return (hi - lo) / mid
 
 
 def _engine_reduces(mesh, rtt: float, quick: bool, one_element: bool) -> dict:

@@ -17,6 +17,17 @@ from pathlib import Path
 
 from monarch.runtime.common import config
 
+STEERING = (
+    "op_overhead", "op_extra", "dispatch", "decode", "intra_latency", "reduce_floor", "reduce_overhead",
+    "handoff", "after_reduce", "beside_reduce", "wire_latency", "fetch_latency", "controller_slowdown",
+    "controller_load", "compute_contention", "flops", "mem_bw",
+)  # fmt: skip
+"""The figures a simulated step's time follows (`op_extra`: the sum over the sample step's ops; `flops`:
+float32's), whose spread across passes `calibrate()` keeps."""
+NOISY = 0.15
+"""A calibration whose passes' figures simulate a sample training step this far apart (max - min over the
+median) names the machine too noisy to calibrate."""
+
 
 @dataclass(frozen=True)
 class DeviceProfile:
@@ -102,6 +113,9 @@ class DeviceProfile:
     """Where the numbers come from: ``datasheet``, or ``calibrated on HOST, DATE``."""
     measured: dict = field(default_factory=dict)
     """What a calibration measured, as it measured it (for people)."""
+    spread: dict = field(default_factory=dict)
+    """Per calibrated figure, how far the calibration's passes spread: (max - min) / median (empty: one pass,
+    or a datasheet's). What the profile can be trusted to: two calibrations in a row agree within it."""
 
     def peak(self, dtype_name: str) -> float:
         return self.flops.get(dtype_name, self.flops.get("default", 1e12))
@@ -110,7 +124,17 @@ class DeviceProfile:
         return json.dumps(dataclasses.asdict(self), indent=1)
 
     def describe(self) -> str:
-        return f"{self.name} ({self.source})"
+        return f"{self.name} ({self.source}{self.trust()})"
+
+    def trust(self) -> str:
+        """``; its passes agree within 6% on a step`` or, when they did not, a warning; "" for one pass or a
+        datasheet."""
+        step = self.spread.get("step")
+        if step is None:
+            return ""
+        if step > NOISY:
+            return f"; NOISY: its passes simulate a step {100 * step:.0f}% apart, calibrate again on a quiet machine"
+        return f"; its passes agree within {100 * step:.0f}% on a step"
 
 
 _TF = 1e12

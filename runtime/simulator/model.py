@@ -8,7 +8,9 @@ worker); on a GPU the main stream is a queue like the others. A borrow makes the
 the point the origin stream had reached; its drop makes the origin wait for the borrower (on a CPU,
 plus the calibrated cost of waking the threads, `handoff`). On a GPU the engine reads a reduce's failure
 flag on the host, so the thread that issued it waits for its end, and a drop on the main stream waits for
-the borrowing stream's thread (`held`); on a CPU the first op after a reduce the command thread ran
+the borrowing stream's thread (`held`). On a CPU a side stream's thread that had nothing to do starts
+what it is given only when it is woken (half of the calibrated hand-over; the command thread waking from a
+drop is the other half), so a reduce issued beside a few quick ops starts after them; on a CPU the first op after a reduce the command thread ran
 itself pays what the wait cost it (`after_reduce`, `owed`), and after one on a side stream what running
 beside it costs (`beside_reduce`). A collective
 starts when the last rank of its group reaches it; the time the others wait is communication too, as in
@@ -116,6 +118,9 @@ class SimWorkers:
         """The controller's Python slows down the workers of its host while it runs (`controller_busy`)."""
         self.ahead: list[Event | MemEvent] = []
         """Events that may still end after the controller's clock (what `controller_busy` may move)."""
+        self.worked: dict[int, np.ndarray] = {}
+        """Stream id (not main) -> per rank, when its thread ended its last command (CPU: after that it sleeps
+        until it is given another)."""
         self.held: dict[int, np.ndarray] = {}
         """Stream id (not main) -> per rank, until when its thread waits for a reduce (on a GPU)."""
         self.owed = np.zeros(size) if self.inline and (dev.after_reduce > 0 or dev.beside_reduce > 0) else None
@@ -171,9 +176,11 @@ class SimWorkers:
             self.dispatch[idx] = end
         else:
             s = self._stream(sid)
-            start = np.maximum(s[idx], self.dispatch[idx])
+            start = self._side_start(idx, sid)
             end = start + dur
             s[idx] = end
+            if self.inline:
+                self._worked(sid)[idx] = end
         self._record(Event(idx, sid, start, end, name, kind, where, flops, nb))
         return start
 
@@ -267,13 +274,30 @@ class SimWorkers:
         self._take(idx)
         if sid == 0 and self.inline:
             return self.dispatch[idx].copy()
-        return np.maximum(self._stream(sid)[idx], self.dispatch[idx])
+        return self._side_start(idx, sid)
+
+    def _side_start(self, idx: np.ndarray, sid: int) -> np.ndarray:
+        """When stream `sid` (not main on a CPU) of ranks `idx` starts a command the command thread has just
+        queued: after what is queued before it, and on a CPU not before its thread is woken, if it slept."""
+        at = np.maximum(self._stream(sid)[idx], self.dispatch[idx])
+        if not self.inline or self.dev.handoff <= 0:
+            return at
+        asleep = self._worked(sid)[idx] < self.dispatch[idx]
+        return np.maximum(at, np.where(asleep, self.dispatch[idx] + self.dev.handoff / 2, 0.0))
+
+    def _worked(self, sid: int) -> np.ndarray:
+        w = self.worked.get(sid)
+        if w is None:
+            w = self.worked[sid] = np.zeros(self.size)
+        return w
 
     def _finish(self, idx: np.ndarray, sid: int, end: np.ndarray) -> None:
         if sid == 0 and self.inline:
             self.dispatch[idx] = end
         else:
             self._stream(sid)[idx] = end
+            if self.inline:
+                self._worked(sid)[idx] = end
 
     def synced(self, rank: int) -> float:
         """When every stream of `rank` has run what it was given (a value can be read)."""
@@ -333,7 +357,7 @@ class SimWorkers:
             done = self._stream(cmd.to_stream)[idx]
             if cmd.from_stream == 0 and self.inline:  # the main thread waits for the drop: a hand-over
                 d = self.dispatch[idx]
-                self.dispatch[idx] = np.where(done > d, done + self.dev.handoff, d)
+                self.dispatch[idx] = np.where(done > d, done + self.dev.handoff / 2, d)  # (the side's half: its wake)
                 if self.owed is not None:  # (one that waited ran nothing beside the reduce: the hand-over is
                     self.owed[idx] = np.where(done > d, 0.0, self.owed[idx])  # what the wait cost it)
             else:

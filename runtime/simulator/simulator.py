@@ -258,9 +258,15 @@ class Simulator:
 
     # -- calibration -------------------------------------------------------------------------------
     @staticmethod
-    def calibrate(path: str | os.PathLike | None = None, workers: int = 4, quick: bool = False) -> DeviceProfile:
+    def calibrate(
+        path: str | os.PathLike | None = None, workers: int = 4, quick: bool = False, passes: int | None = None
+    ) -> DeviceProfile:
         """Measure this machine's device (its GPU if it has one, else its CPU with `workers` workers) and save
-        the profile (default: ``~/.cache/monarch/sim/<host>.json``, what ``device="local"`` loads)."""
+        the profile (default: ``~/.cache/monarch/sim/<host>.json``, what ``device="local"`` loads).
+
+        Everything is measured `passes` times (3, or 1 with `quick`); each figure is their median, and how
+        far they spread is kept (`profile.spread`) and said: a machine too busy to calibrate is named, in
+        the profile's description too, rather than averaged away."""
         from monarch.runtime.simulator.calibration import calibrate
 
-        return calibrate(path, workers, quick)
+        return calibrate(path, workers, quick, passes, lambda dev, n: Simulator(hosts=1, gpus=n, device=dev))
