@@ -4,7 +4,9 @@ call, a `Future` of one. They sit below `mesh`, so that a `ProcMesh` method can 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -108,6 +110,26 @@ class Future(Generic[T]):
         yield from asyncio.wrap_future(self._pending.future).__await__()
         return self.result()
 
+    def each(self) -> list[PointFuture[T]]:
+        """A future per point of the call, in point order, each done as soon as its worker has answered (or
+        the call failed as a whole): one call to many, its answers taken as they come (`stream()`)."""
+        shared: dict[int, Any] = {}  # (id(envelope) -> its value, once unpickled, when it cannot be changed)
+        lock = threading.Lock()
+        futures = [PointFuture(self, i, shared, lock) for i in range(len(self._shape))]
+        by_rank = {f.rank: f for f in futures}
+
+        def answered(rank: int) -> None:  # (the receiving thread)
+            f = by_rank.get(rank)
+            if f is not None:
+                f._answered()
+
+        pending = self._pending
+        pending.on_reply = answered
+        for rank in list(pending.replies):  # (those recorded before it was told)
+            answered(rank)
+        pending.future.add_done_callback(lambda _: [f._answered() for f in futures])
+        return futures
+
     def _decode(self, replies: dict[int, tuple]) -> ValueMesh[T]:
         pending = self._pending
         loads = _loader()
@@ -143,6 +165,97 @@ class Future(Generic[T]):
         if failed or released:
             raise RemoteError(self._name, group_failures(failed), len(self._shape), released)
         return ValueMesh(self._shape, values)
+
+
+class PointFuture(Generic[T]):
+    """One point's part of a call made to many (`Future.each()`): done once that point's worker answered;
+    `result()` is a `ValueMesh` over that point alone, or raises its error as a call to it alone would.
+    Ctrl-C while waiting interrupts the whole call."""
+
+    def __init__(self, call: Future[T], index: int, shared: dict[int, Any], lock: threading.Lock) -> None:
+        self._call = call
+        self._index = index
+        self.rank = call._shape.ranks[index]
+        """The point's rank in the spawned mesh."""
+        self._shared = shared
+        """id(envelope) -> its value, for the call's points that share an envelope (a host's equal answers)."""
+        self._lock = lock
+        """The call's (its points' state changes on the receiving thread and is read on the caller's)."""
+        self._is_done = False
+        self._callbacks: list[Callable[[PointFuture[T]], None]] = []
+        self._waiter: concurrent.futures.Future[None] | None = None
+        """Made only when someone waits for this point (thousands of points: no future each)."""
+        self._value: ValueMesh[T] | None = None
+
+    def _answered(self) -> None:
+        with self._lock:
+            if self._is_done:  # (told twice: its reply, then the call's end)
+                return
+            self._is_done = True
+            callbacks, waiter = self._callbacks, self._waiter
+        if waiter is not None:
+            waiter.set_result(None)
+        for fn in callbacks:
+            fn(self)
+
+    def done(self) -> bool:
+        return self._is_done
+
+    def add_done_callback(self, fn: Callable[[PointFuture[T]], None]) -> None:
+        """Call `fn(self)` once this point has answered (on the receiving thread; quick, waits for nothing)."""
+        with self._lock:
+            if not self._is_done:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _waited(self) -> concurrent.futures.Future[None]:
+        with self._lock:
+            if self._waiter is None:
+                self._waiter = concurrent.futures.Future()
+                if self._is_done:
+                    self._waiter.set_result(None)
+            return self._waiter
+
+    def result(self, timeout: float | None = None) -> ValueMesh[T]:
+        if self._value is None:
+            pending = self._call._pending
+            if not self._is_done:
+                try:
+                    pending.mesh.controller.wait(pending, timeout, until=self._waited())
+                except KeyboardInterrupt:
+                    raise self._call.interrupted() from None
+            env = pending.replies.get(self.rank)
+            if env is None:  # the call failed as a whole before this point answered
+                error = pending.future.exception(0)
+                assert error is not None
+                raise error
+            shape = self._call._shape
+            point = Shape(shape.names, (1,) * len(shape.names), (self.rank,))  # (its dimensions kept, each of 1)
+            obj = self._shared.get(id(env), _NONE)
+            if obj is not _NONE:
+                self._value = ValueMesh(point, [obj])
+            else:
+                self._value = Future(pending, point, self._call._name)._decode({self.rank: env})
+                (obj,) = self._value.values()
+                if env.message.ok and type(obj) in _IMMUTABLE:
+                    self._shared[id(env)] = obj
+        return self._value
+
+    get = result
+
+    def exception(self) -> BaseException | None:
+        if not self.done():
+            raise RuntimeError(f"{self._call._name}: this point has not answered; exception() is for one that has")
+        try:
+            self.result(0)
+        except Exception as e:
+            return e
+        return None
+
+    def __await__(self):
+        yield from asyncio.wrap_future(self._waited()).__await__()
+        return self.result()
 
 
 class Done(Generic[T]):

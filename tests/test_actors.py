@@ -130,6 +130,28 @@ def test_stream_yields_each_answer_as_it_arrives(procs, tmp_path):
     assert [f.get() for f in it] == [2]
 
 
+def test_stream_is_one_call_whose_answers_come_apart_and_a_failure_stays_with_its_actor(procs):
+    from monarch.runtime.controller import get_controller
+
+    c = procs.spawn("stream_one", Counter, 5)
+    calls = get_controller()._ids
+    before = next(calls)
+    futures = list(c.fail_on.stream(1))
+    assert next(calls) == before + 2  # one call to the four actors (not four), and this one
+    assert sorted(f.done() for f in futures) == [True] * 4
+    values, errors = [], []
+    for f in futures:
+        try:
+            values.append(f.get())
+        except Exception as e:
+            errors.append(e)
+    assert values == [5, 5, 5] and len(errors) == 1
+    assert "no counting on gpu 1" in str(errors[0]) and "gpu=1" in str(errors[0]), errors[0]
+    # each actor sees the message as sent to the whole mesh, as with call(); the next call runs as usual
+    seen = sorted((f.get()[1]["gpu"], f.get()[2]["gpu"]) for f in c.where.stream())
+    assert seen == [(g, g) for g in range(4)] and c.incr.call(1).get().values() == [6] * 4
+
+
 def test_choose_spreads_calls_over_the_actors(procs, tmp_path):
     c = procs.spawn("choose", Counter, 0)
     gate = str(tmp_path / "gate")

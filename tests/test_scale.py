@@ -118,3 +118,10 @@ def test_actors_on_512_ranks_answer_a_call_in_one_bundle_per_host_and_a_failing_
     assert f"failed on 1 of {RANKS} ranks" in str(e.value), str(e.value)
     assert "ValueError: actor 300 fails on purpose" in str(e.value), str(e.value)
     assert counters.incr.call().get().values() == [2] * (RANKS - 1) + [3]
+    # stream(): one call, its answers bundled per host like call()'s, each actor's future its own
+    with Came() as came:
+        answers = sorted(f.get() for f in counters.rank.stream())
+    assert answers == list(range(RANKS)) and (came.bundles, came.items) == (HOSTS, RANKS)  # (values all differ)
+    futures = list(counters.fail_on.stream(300))
+    failed = [f for f in futures if f.exception() is not None]
+    assert len(futures) == RANKS and len(failed) == 1 and "actor 300 fails" in str(failed[0].exception())

@@ -33,7 +33,7 @@ from monarch.runtime.actors import ports as _ports  # noqa: F401  (installs the 
 from monarch.runtime.actors import supervision
 from monarch.runtime.actors.supervision import MeshFailure
 from monarch.runtime.common.actors import Actor, endpoints_of, methods_of
-from monarch.runtime.common.endpoint import Adverbs, NotAnEndpoint, One, expose_endpoints
+from monarch.runtime.common.endpoint import Adverbs, NotAnEndpoint, One, Stream, expose_endpoints
 from monarch.runtime.common.errors import ErrorInfo, RemoteError, group_failures
 from monarch.runtime.common.mesh_trait import MeshTrait
 from monarch.runtime.common.ports import Port
@@ -166,6 +166,11 @@ class ActorEndpoint(Adverbs[Any, Any]):
             return fn.start((a._name, self._name, args, kwargs), {}, name=self._what)
         point = a._point(points[0])  # (its place in the whole mesh the message went to, as Monarch's choose/stream)
         return fn.start((a._name, self._name, args, kwargs, point), {}, name=self._what)
+
+    def stream(self, *args: Any, **kwargs: Any) -> Stream[Any]:
+        """Call every actor, as one call (sent once per host, answers bundled as `call()`'s); yield each
+        one's future as it is answered (`.get()` it: a failure raises there)."""
+        return Stream([One(f) for f in self._call(None, args, kwargs).each()])
 
     def rref(self, *args: Any, **kwargs: Any) -> Any:
         """Run the endpoint on every actor, on the workers' own tensors (`monarch.Tensor` arguments are each

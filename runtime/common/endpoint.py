@@ -19,7 +19,7 @@ future of their `ValueMesh`) and `_post(points, args, kwargs, port)` (a message 
 
 from __future__ import annotations
 
-import concurrent.futures
+import collections
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, Protocol, TypeVar
@@ -217,27 +217,31 @@ class Stream(Iterator[One[R]]):
 
     def __init__(self, futures: list[One[R]]) -> None:
         self.futures = futures
-        self._pending: dict[concurrent.futures.Future[None], One[R]] = {}
+        self._answered: collections.deque[One[R]] = collections.deque()
+        """Futures answered and not yet yielded, in the order they were (appended by their done callbacks)."""
+        self._arrival = threading.Event()
+        self._left = len(futures)
         for f in futures:
-            done: concurrent.futures.Future[None] = concurrent.futures.Future()
-            f.add_done_callback(lambda _, d=done: d.done() or d.set_result(None))
-            self._pending[done] = f
-        self._waiting = list(self._pending)
+            f.add_done_callback(self._arrived)
+
+    def _arrived(self, f: One[R]) -> None:
+        self._answered.append(f)
+        self._arrival.set()
 
     def __next__(self) -> One[R]:
-        if not self._waiting:
+        if not self._left:
             raise StopIteration
-        ready = next((d for d in self._waiting if d.done()), None)
-        if ready is None:
+        answered = self._answered
+        if not answered:
             from monarch.runtime.common import ports  # (a worker's main thread serves its messages meanwhile)
 
-            waiting = self._waiting
             if ports.ROUTER is not None:
-                ports.ROUTER.block(lambda: any(d.done() for d in waiting), None)
-            concurrent.futures.wait(waiting, return_when=concurrent.futures.FIRST_COMPLETED)
-            ready = next(d for d in self._waiting if d.done())
-        self._waiting.remove(ready)
-        return self._pending[ready]
+                ports.ROUTER.block(lambda: bool(answered), None)
+            while not answered:  # (cleared after each wake, then looked at again: no arrival is missed)
+                self._arrival.wait()
+                self._arrival.clear()
+        self._left -= 1
+        return answered.popleft()
 
 
 class Accumulator(Generic[P, R, A]):

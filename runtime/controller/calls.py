@@ -112,6 +112,8 @@ class Calls:
         if pending is None or pending.mesh.mesh_id != env.mesh_id:
             return  # its caller already gave up on it
         pending.replies[env.rank] = env
+        if pending.on_reply is not None:
+            pending.on_reply(env.rank)
         if len(pending.replies) == len(pending.ranks):
             self._done(pending)
             return
@@ -132,6 +134,9 @@ class Calls:
         replies = pending.replies
         if env.message.ok:
             replies.update(dict.fromkeys(ranks, env))
+            if pending.on_reply is not None:
+                for rank in ranks:
+                    pending.on_reply(rank)
             if len(replies) == len(pending.ranks):
                 self._done(pending)
             elif self.controller.listeners:

@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from monarch.runtime.backends.hosts import HostsBackend
     from monarch.runtime.backends.local import LocalBackend
     from monarch.runtime.procs.jobfiles import AgentRecord, JobDir
-    from monarch.runtime.wire import codec
 
 _log = log.get("controller")
 
@@ -226,9 +225,12 @@ class Controller:
             self.changed(mesh)
         return pending
 
-    def wait(self, pending: PendingCall, timeout: float | None = None) -> dict[int, codec.Envelope]:
-        """Wait for a call's replies (this thread receives them; Ctrl-C propagates)."""
-        return self.receiver.wait(pending, timeout)
+    def wait(
+        self, pending: PendingCall, timeout: float | None = None, until: concurrent.futures.Future[Any] | None = None
+    ) -> Any:
+        """Wait for a call's replies, ``{rank: envelope}`` (this thread receives them; Ctrl-C propagates); with
+        `until`, only until that future is done (a point's answer: `values.PointFuture`)."""
+        return self.receiver.wait(pending, timeout, until)
 
     def interrupt(self, pending: PendingCall) -> None:
         """Interrupt `pending` on the workers still busy with it. A worker running another thread's call

@@ -92,9 +92,12 @@ class Receiver:
         self._io.start()
 
     # -- waiting for a call ------------------------------------------------------------------------
-    def wait(self, pending: PendingCall, timeout: float | None = None) -> dict[int, codec.Envelope]:
-        """Wait for a call's replies, receiving them on this thread; serve input requests meanwhile."""
-        fut = pending.future
+    def wait(
+        self, pending: PendingCall, timeout: float | None = None, until: concurrent.futures.Future[Any] | None = None
+    ) -> Any:
+        """Wait for a call's replies, receiving them on this thread; serve input requests meanwhile. With
+        `until`, wait for that future instead (one that ends with the call or before it: a point's reply)."""
+        fut = pending.future if until is None else until
         deadline = None if timeout is None else time.monotonic() + timeout
         polling = self._polling_pays(pending)
         spin = polling  # poll first; after a quiet stretch, just sleep

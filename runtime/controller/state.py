@@ -130,5 +130,8 @@ class PendingCall:
     """The ranks that had answered were asked to shut their groups' connections (`protocol.Control.DISCONNECT`)."""
     busy: dict[int, protocol.Busy] = field(default_factory=dict)
     """Rank -> its latest `protocol.Busy` report."""
+    on_reply: Callable[[int], None] | None = None
+    """Told each rank as its reply is recorded (the receiving thread; quick, waits for nothing): `stream()`'s
+    per-point futures."""
     early_errors: list[tuple[codec.Envelope, protocol.ErrorInfo]] = field(default_factory=list)
     """(envelope, error) of ranks that failed while others ran: shown at once if the call goes on."""
