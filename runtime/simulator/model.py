@@ -10,9 +10,9 @@ plus the calibrated cost of waking the threads, `handoff`). On a GPU the engine 
 flag on the host, so the thread that issued it waits for its end, and a drop on the main stream waits for
 the borrowing stream's thread (`held`). On a CPU a side stream's thread that had nothing to do starts
 what it is given only when it is woken (half of the calibrated hand-over; the command thread waking from a
-drop is the other half), so a reduce issued beside a few quick ops starts after them; on a CPU the first op after a reduce the command thread ran
-itself pays what the wait cost it (`after_reduce`, `owed`), and after one on a side stream what running
-beside it costs (`beside_reduce`). A collective
+drop is the other half), so a reduce issued beside a few quick ops starts after them; the first op after
+a reduce the command thread ran itself pays what the wait cost it (`after_reduce`, `owed`), and after one
+on a side stream what running beside it costs (`beside_reduce`). A collective
 starts when the last rank of its group reaches it; the time the others wait is communication too, as in
 a real trace. On a CPU, compute on the main stream and a side stream's work that overlap share the cores
 and slow each other down, by factors `calibrate()` measures (`SimWorkers._share`). Memory: a result that
@@ -357,7 +357,8 @@ class SimWorkers:
             done = self._stream(cmd.to_stream)[idx]
             if cmd.from_stream == 0 and self.inline:  # the main thread waits for the drop: a hand-over
                 d = self.dispatch[idx]
-                self.dispatch[idx] = np.where(done > d, done + self.dev.handoff / 2, d)  # (the side's half: its wake)
+                # (its wake: half the hand-over, the side thread's wake was the other half)
+                self.dispatch[idx] = np.where(done > d, done + self.dev.handoff / 2, d)
                 if self.owed is not None:  # (one that waited ran nothing beside the reduce: the hand-over is
                     self.owed[idx] = np.where(done > d, 0.0, self.owed[idx])  # what the wait cost it)
             else:
