@@ -244,15 +244,6 @@ class PointFuture(Generic[T]):
 
     get = result
 
-    def exception(self) -> BaseException | None:
-        if not self.done():
-            raise RuntimeError(f"{self._call._name}: this point has not answered; exception() is for one that has")
-        try:
-            self.result(0)
-        except Exception as e:
-            return e
-        return None
-
     def __await__(self):
         yield from asyncio.wrap_future(self._waited()).__await__()
         return self.result()

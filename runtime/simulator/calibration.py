@@ -117,7 +117,6 @@ def _simulated_steps(
     import torch
 
     from monarch.runtime.fetch import inspect
-    from monarch.runtime.tensor.comms import grad_generator
 
     out = []
     for profile in profiles:
@@ -131,15 +130,7 @@ def _simulated_steps(
             times = []
             for _ in range(4):
                 start = sim.time
-                with sim.mesh.activate():
-                    x = torch.randint(0, 32, (2, 6), device=device)
-                    loss = model(x, x.roll(1, 1))
-                    with torch.no_grad():
-                        for p, g in zip(params, grad_generator(loss, params)):
-                            if n > 1:
-                                g.reduce_("gpu", "sum")
-                            p.add_(g * -0.01)
-                inspect(loss)
+                inspect(_sample_step(sim.mesh, model, params, device, "main" if n > 1 else "none"))
                 times.append(sim.time - start)
             out.append(statistics.median(times[1:]))
         finally:
@@ -333,14 +324,12 @@ def _sample_step_costs(mesh, quick: bool, device: str) -> tuple[float, dict[str,
     import torch
 
     from monarch.runtime.fetch import inspect
-    from monarch.runtime.tensor.comms import grad_generator
     from monarch.runtime.tensor.streams import Stream
 
     with mesh.activate():
         torch.manual_seed(0)
         model = _sample_model().to(device)
         params = list(reversed(list(model.parameters())))
-    dim = mesh.names[0]
 
     marks: list[tuple[float, float, float]] = []
     """Per step: the controller's clock at its start, when it had issued it, when it had the loss."""
@@ -349,27 +338,7 @@ def _sample_step_costs(mesh, quick: bool, device: str) -> tuple[float, dict[str,
 
     def step(reduce: str) -> None:
         t0 = time.perf_counter()
-        with mesh.activate():
-            x = torch.randint(0, 32, (2, 6), device=device)
-            loss = model(x, x.roll(1, 1))
-            with torch.no_grad():
-                if reduce == "side":  # the tutorial's variant 3: each reduce runs beside the next gradient
-                    it = iter(
-                        (p, g, *side.borrow(g, mutable=True)) for p, g in zip(params, grad_generator(loss, params))
-                    )
-                    todo = next(it, None)
-                    while todo is not None:
-                        p, g, alias, borrow = todo
-                        with side.activate():
-                            alias.reduce_(dim, "sum")
-                        todo = next(it, None)
-                        borrow.drop()
-                        p.add_(g * -0.01)
-                else:
-                    for p, g in zip(params, grad_generator(loss, params)):
-                        if reduce == "main":
-                            g.reduce_(dim, "sum")
-                        p.add_(g * -0.01)
+        loss = _sample_step(mesh, model, params, device, reduce, side)
         issued = time.perf_counter()
         inspect(loss)
         marks.append((t0, issued, time.perf_counter()))
@@ -412,6 +381,37 @@ def _sample_step_costs(mesh, quick: bool, device: str) -> tuple[float, dict[str,
     ]
     after = max(statistics.fmean(lost), 0.0) if lost else 0.0
     return base, extra, after, max(statistics.fmean(beside), 0.0) if beside else 0.0, _ends(per_rank, main_marks)
+
+
+def _sample_step(mesh, model, params: list, device: str, reduce: str, side: Any = None) -> Any:
+    """Issue one training step of `_sample_model()` on `mesh` (nothing waits): each gradient as
+    `grad_generator` gives it not reduced (``none``), reduced on main (``main``), or on stream `side`, dropped
+    after the next gradient (``side``: the tutorial's variant 3). Returns its loss."""
+    import torch
+
+    from monarch.runtime.tensor.comms import grad_generator
+
+    dim = mesh.names[-1]  # (`gpu`: a calibration's mesh has only it, a simulated one `host` first)
+    with mesh.activate():
+        x = torch.randint(0, 32, (2, 6), device=device)
+        loss = model(x, x.roll(1, 1))
+        with torch.no_grad():
+            if reduce == "side":  # each reduce runs beside the next gradient
+                it = iter((p, g, *side.borrow(g, mutable=True)) for p, g in zip(params, grad_generator(loss, params)))
+                todo = next(it, None)
+                while todo is not None:
+                    p, g, alias, borrow = todo
+                    with side.activate():
+                        alias.reduce_(dim, "sum")
+                    todo = next(it, None)
+                    borrow.drop()
+                    p.add_(g * -0.01)
+            else:
+                for p, g in zip(params, grad_generator(loss, params)):
+                    if reduce == "main":
+                        g.reduce_(dim, "sum")
+                    p.add_(g * -0.01)
+    return loss
 
 
 def _by_step(cmds: list, marks: list[tuple[float, float, float]]) -> list[list]:
