@@ -307,6 +307,24 @@ def test_a_worker_that_takes_no_commands_is_dropped_after_the_stall():
     assert wait_gone(pids) == []
 
 
+def test_meshes_start_with_the_smallest_command_queue():
+    """`send_hwm` bounds commands, not the store's answers: a worker's rendezvous (torch's process group, over
+    the controller's store) gets every answer however small it is."""
+    import torch  # noqa: F401  (workers set torch up, and so rendezvous, when the controller has it)
+
+    ctl = _controller(send_hwm=1, spawn_timeout=60)
+    pids = []
+    try:
+        for _ in range(5):
+            spawned = ctl.spawn({"gpu": 4})
+            pids += [i["pid"] for i in spawned.info]
+            assert [i["torch"] for i in spawned.info] == [True] * 4
+            ProcMesh(spawned, spawned.shape).exit()
+    finally:
+        ctl.shutdown()
+    assert wait_gone(pids) == []
+
+
 def test_a_lane_that_goes_corrupt_ends_its_worker_and_the_mesh_fails_naming_it():
     ctl = _controller()
     try:

@@ -124,7 +124,9 @@ class ControllerTransport:
         self.cmd.setsockopt(zmq.XPUB_MANUAL, 1)  # we apply subscriptions: only to topics we handed out
         self.cmd.setsockopt(zmq.XPUB_NODROP, 1)  # a full queue is an error (backpressure), not a silent drop
         self.reply = self._socket(zmq.PULL, rcvhwm=REPLY_HWM)
-        self.store = self._socket(zmq.ROUTER, sndhwm=settings.send_hwm, rcvhwm=REPLY_HWM)
+        # (not `send_hwm`: a store answer that finds its queue full is dropped, and its worker waits for it;
+        # each client has one request at a time, so the queue stays short anyway)
+        self.store = self._socket(zmq.ROUTER, sndhwm=REPLY_HWM, rcvhwm=REPLY_HWM)
         self.store.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if settings.transport == "ipc":
             for sock, name in ((self.cmd, "cmd"), (self.reply, "reply"), (self.store, "store")):
