@@ -703,8 +703,10 @@ class ControllerTransport:
         route = list(ident) if len(ident) == 1 else [*ident, b""]
         try:
             self.store.send_multipart([*route, *frames], _NOBLOCK)
-        except (zmq.Again, zmq.ZMQError):
-            pass  # a client that is gone, or not reading: it times out on its side
+        except zmq.Again:  # a client not reading: it times out on its side
+            self.log("a store answer", f"a client of mesh {mesh_id} left {REPLY_HWM} answers unread")
+        except zmq.ZMQError:
+            pass  # a client that is gone
 
     def close(self) -> None:
         with self.send_lock:
