@@ -47,13 +47,37 @@ def _median(fn, repeat: int) -> float:
 
 def _repeats(fn, sync, seconds: float = 0.1) -> int:
     """How many calls of `fn` take `seconds`: a sample that long spans many of the scheduler's time slices,
-    so workers sharing cores measure the rate they get together (a 3 ms sample often ran alone)."""
+    so workers sharing cores measure the rate they get together (a 3 ms sample often ran alone). The same
+    number on every worker (the fewest any found), so that each does the same work in `_shared_time`."""
     fn()  # (warm)
     sync()
     t = time.perf_counter()
     fn()
     sync()
-    return max(1, int(seconds / max(time.perf_counter() - t, 1e-9)))
+    k = max(1, int(seconds / max(time.perf_counter() - t, 1e-9)))
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        n = torch.tensor([k])
+        dist.all_reduce(n, op=dist.ReduceOp.MIN)
+        k = int(n.item())
+    return k
+
+
+def _shared_time(fn, repeat: int) -> float:
+    """The median over `repeat` samples of how long `fn` takes when every worker runs it at once, from when
+    all start until all have ended: on shared cores the rate each gets while all compute, as in a training
+    step. (Timed to each worker's own end instead, a worker that finished first left the others the cores,
+    and their next samples ran faster: a rate that moved by a third between calibrations.)"""
+    times = []
+    for _ in range(repeat):
+        _together()
+        t = time.perf_counter()
+        fn()
+        _together()
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2]
 
 
 def _batch(cmds: list) -> list:
@@ -91,11 +115,14 @@ def measure(n_ops: int = 1000, quick: bool = False) -> dict:
         for n in sizes:
             a = torch.randn(n, n, device=dev)
             k = _repeats(lambda a=a: a @ a, sync)
-            t = _median(lambda a=a, k=k: ([a @ a for _ in range(k)], sync()), rep) / k
+            t = _shared_time(lambda a=a, k=k: ([a @ a for _ in range(k)], sync()), rep) / k
             out[f"matmul{n}_flops"] = 2 * n**3 / t
             del a
+        # (into a tensor made once: each fresh result of `big + 1.0` was memory the kernel had to map and zero
+        # on a CPU, a cost that moved the figure from 2 to 16 GB/s between calibrations on one machine)
         big = torch.ones(1 << (22 if dev == "cpu" else 26), device=dev)
-        t = _median(lambda: ([big + 1.0 for _ in range(20)], sync()), rep) / 20
+        dst = torch.empty_like(big)
+        t = _shared_time(lambda: ([torch.add(big, 1.0, out=dst) for _ in range(20)], sync()), rep) / 20
         out["mem_bw"] = 2 * big.numel() * big.element_size() / t
         if dev == "cpu":
             out.update(_contention(rep))
