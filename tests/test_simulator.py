@@ -328,10 +328,10 @@ def test_on_a_gpu_a_reduce_holds_the_thread_that_issued_it():
     assert ones[0] >= end1 and ones[1] >= end2 > end1 + 0.9 * 2 * 5e-3, (events, ones)  # (a ring of 2: 2 steps)
 
 
-def _overlapped(**factors) -> dict:
-    """A side stream's reduce (~40 ms) with a ~10 ms matmul on main issued while it runs, then the drop
-    and an op on main, on 2 CPU workers of a made-up profile: {name: (start, end)} of rank 0, in ms of the
-    simulated clock."""
+def _overlapped(matmuls: int = 1, **factors) -> dict:
+    """A side stream's reduce (~40 ms) with `matmuls` ~10 ms matmuls on main issued while it runs, then the
+    drop and an op on main, on 2 CPU workers of a made-up profile: {name: (start, end)} of rank 0 (the last
+    of a name), in ms of the simulated clock."""
     from monarch.runtime.simulator import devices
 
     cpu = dataclasses.replace(
@@ -345,7 +345,8 @@ def _overlapped(**factors) -> dict:
         alias, borrow = comms.borrow(g, mutable=True)
         with comms.activate():
             alias.reduce_("gpu", "sum")
-        b = a @ a
+        for _ in range(matmuls):
+            b = a @ a
         borrow.drop()
         b.add_(1)
     monarch.inspect(b)
@@ -375,6 +376,25 @@ def test_on_a_cpu_compute_and_a_reduce_that_overlap_share_the_cores_and_a_drop_c
     assert all(
         (d.compute_contention, d.comm_contention, d.handoff) == (1.0, 1.0, 0.0) for d in devices.DEVICES.values()
     )
+
+
+def test_on_a_cpu_where_a_reduce_beside_compute_stalls_it_begins_after_the_op_running_when_it_was_queued():
+    """Calibrated `comm_contention` at `STALLED` or above: a stream thread woken while main computed got no
+    core. Its reduce then begins when main's op ends (which runs at full speed meanwhile), and shares the cores
+    with main's next op; the drop still waits for it."""
+    from monarch.runtime.simulator.devices import STALLED
+
+    ev = _overlapped(compute_contention=2.0, comm_contention=STALLED, handoff=3e-3)
+    (r0, r1), (m0, m1), (a0, _) = ev["all_reduce (sum)"], ev["aten::mm"], ev["aten::add_.Tensor"]
+    assert m1 - m0 == pytest.approx(10, abs=0.1)  # not slowed down: the reduce had not begun
+    assert r0 == pytest.approx(m1, abs=0.01) and r1 - r0 == pytest.approx(40, abs=0.5)
+    assert a0 == pytest.approx(r1 + 1.5, abs=0.05)  # the main thread's wake after the drop
+    two = _overlapped(matmuls=2, compute_contention=2.0, comm_contention=STALLED, handoff=3e-3)
+    (r0, r1), (m0, m1) = two["all_reduce (sum)"], two["aten::mm"]
+    assert r0 < m0 and m1 - m0 == pytest.approx(20, abs=0.1)  # the second matmul shares the cores with it
+    assert r1 - r0 == pytest.approx(40 + 20 - 20 / STALLED, abs=0.5)
+    below = _overlapped(compute_contention=2.0, comm_contention=STALLED - 1, handoff=3e-3)
+    assert below["all_reduce (sum)"][0] < below["aten::mm"][1] - 15  # below it: begins when woken, as before
 
 
 def test_on_a_cpu_a_batch_is_decoded_on_arrival_and_the_ops_after_a_reduce_pay_for_the_wait():

@@ -24,6 +24,11 @@ STEERING = (
 )  # fmt: skip
 """The figures a simulated step's time follows (`op_extra`: the sum over the sample step's ops; `flops`:
 float32's), whose spread across passes `calibrate()` keeps."""
+STALLED = 10.0
+"""A `comm_contention` this high or higher: a collective beside compute made next to no progress (a worker's
+stream thread got no core while its main thread computed); the simulator then begins a side stream's command
+queued beside a compute op only once that op ends (`model.SimWorkers._postpone`), and shares the cores from
+there."""
 NOISY = 0.15
 """A calibration whose passes' figures simulate a sample training step this far apart (max - min over the
 median) names the machine too noisy to calibrate."""

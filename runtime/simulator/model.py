@@ -15,7 +15,10 @@ a reduce the command thread ran itself pays what the wait cost it (`after_reduce
 on a side stream what running beside it costs (`beside_reduce`). A collective
 starts when the last rank of its group reaches it; the time the others wait is communication too, as in
 a real trace. On a CPU, compute on the main stream and a side stream's work that overlap share the cores
-and slow each other down, by factors `calibrate()` measures (`SimWorkers._share`). Memory: a result that
+and slow each other down, by factors `calibrate()` measures (`SimWorkers._share`); where it found that a
+collective beside compute made no progress (`devices.STALLED`), a side stream's command that main's op
+found not begun begins when that op ends (`_postpone`: a woken stream thread got no core meanwhile), a
+collective's end moving on every rank of its group with its last arrival. Memory: a result that
 does not alias an input is an allocation (at its op's start; on a GPU when the command thread launches the
 op, as CUDA's caching allocator serves it on the host); a storage is freed when the last handle naming it
 is freed. While the controller computes (issuing commands, autograd), the workers of its host
@@ -37,7 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from monarch.runtime.common.op_schema import alias_plan
 from monarch.runtime.simulator import costs
-from monarch.runtime.simulator.devices import DeviceProfile
+from monarch.runtime.simulator.devices import STALLED, DeviceProfile
 from monarch.runtime.wire import protocol as P
 from monarch.runtime.wire.protocol import Ref
 
@@ -63,6 +66,9 @@ class Event:
     where: str
     flops: float = 0.0
     nbytes: int = 0
+    sync: list[np.ndarray] | None = None
+    """A side stream's collective: its groups (arrays whose rows are a group's ranks), each of which ends
+    together, when its last rank is there plus the collective's time (kept: an arrival may move)."""
 
 
 @dataclass
@@ -112,6 +118,9 @@ class SimWorkers:
         """Stream id (not main) -> its events that may still end after some rank's main stream is at."""
         self.sharing = self.inline and (dev.compute_contention > 1.0 or dev.comm_contention > 1.0)
         """Compute and a side stream's work slow each other down where they overlap (CPU workers)."""
+        self.defer = self.sharing and dev.comm_contention >= STALLED
+        """A side stream's thread woken while the main thread computes gets no core until that op ends
+        (calibrated: a collective beside compute made no progress); from then on they share (`_share`)."""
         self.local = hosts == 0
         """Ranks on the controller's host."""
         self.loaded = dev.controller_load > 1.0 and bool(self.local.any())
@@ -237,6 +246,13 @@ class SimWorkers:
             busy = left > 0
             if not busy.any():
                 continue
+            if self.defer:  # a thread that has not begun its next command waits for this op to end
+                waiting = busy & ~self._begun(sid, idx, start)
+                if waiting.any():
+                    self._postpone(sid, idx, start, np.where(waiting, end, -np.inf))
+                busy &= ~waiting
+                if not busy.any():
+                    continue
             left = np.where(busy, left, 0.0)
             compute_first = dur * fc <= left * fm
             # how long the compute takes (0 where the side stream is idle); the side stream gets 1/fm of
@@ -246,6 +262,50 @@ class SimWorkers:
             clock[idx] = _stretch(clock[idx], start, took, fm)
             self._stretch_events(sid, idx, start, took, fm)
         return out
+
+    def _begun(self, sid: int, idx: np.ndarray, at: np.ndarray) -> np.ndarray:
+        """Per rank of `idx`: whether stream `sid` is inside a command at `at` (it began before, ends after)."""
+        when = np.full(self.size, np.nan)
+        when[idx] = at
+        inside = np.zeros(self.size, dtype=bool)
+        for ev in self.open.get(sid, ()):
+            t = when[ev.ranks]
+            inside[ev.ranks] |= (ev.start < t) & (ev.end > t)
+        return inside[idx]
+
+    def _postpone(self, sid: int, idx: np.ndarray, since: np.ndarray, until: np.ndarray) -> None:
+        """Stream `sid`'s commands on ranks `idx`, none of which it had begun by `since` (`_begun`), begin no
+        earlier than `until` (-inf: not moved); every later command of the stream, and a collective's end on
+        every rank of its group, moves with them (the trace too)."""
+        frm, to = np.full(self.size, np.inf), np.full(self.size, -np.inf)
+        frm[idx], to[idx] = since, until
+        prev = np.full(self.size, -np.inf)  # per rank: where the stream's command before this one ends
+        low = float(since.min())
+        keep = []
+        for ev in self.open.get(sid, ()):  # (in the stream's order)
+            if float(ev.end.max()) <= low:  # over before any of these ranks' ops began: never moves again
+                continue
+            keep.append(ev)
+            r = ev.ranks
+            begin = np.maximum(ev.start, prev[r])
+            begin = np.where(ev.end > frm[r], np.maximum(begin, to[r]), begin)  # (not over by `since`: not begun)
+            if ev.sync is None:
+                ev.end = begin + (ev.end - ev.start)
+            else:  # a collective ends as much later as its group's last arrival
+                pos = np.full(self.size, -1)
+                pos[r] = np.arange(len(r))
+                end = ev.end.copy()
+                for groups in ev.sync:
+                    p = pos[groups]
+                    end[p] += (begin[p].max(axis=1) - ev.start[p].max(axis=1))[:, None]
+                ev.end = end
+            ev.start = begin
+            prev[r] = ev.end
+        self.open[sid] = keep
+        clock = self.streams[sid]
+        moved = prev > -np.inf
+        clock[moved] = np.maximum(clock[moved], prev[moved])
+        self._worked(sid)[moved] = np.maximum(self._worked(sid)[moved], prev[moved])
 
     def _stretch_events(self, sid: int, idx: np.ndarray, start: np.ndarray, took: np.ndarray, fm: float) -> None:
         pos = np.full(self.size, -1)
@@ -477,6 +537,7 @@ class SimWorkers:
         alloc_at = ready[idx] if self.inline else self.dispatch[idx]  # (on a GPU: as the thread launches it)
         end = ready.copy()
         partition = self.groups.get(cmd.gid) or (tuple(int(r) for r in idx),)
+        sync = []
         for groups in _by_size(partition):
             p = groups.shape[1]
             hosts = self.hosts[groups]
@@ -484,6 +545,7 @@ class SimWorkers:
             dur = np.where(spans, costs.collective_time(self.dev, kind, nb, p, True, elements),
                            costs.collective_time(self.dev, kind, nb, p, False, elements))  # fmt: skip
             end[groups] = (ready[groups].max(axis=1) + dur)[:, None]
+            sync.append(groups)
         self._finish(idx, sid, end[idx])
         if self.owed is not None:  # (what the main thread's next op loses: it waited, or it runs beside it)
             self.owed[idx] += self.dev.after_reduce if sid == 0 else self.dev.beside_reduce
@@ -494,7 +556,7 @@ class SimWorkers:
                 held = self.held.setdefault(sid, np.zeros(self.size))
                 held[idx] = np.maximum(held[idx], end[idx])
         name = f"{kind} ({cmd.reduction})"
-        self._record(Event(idx, sid, ready[idx], end[idx], name, "comm", cmd.where, 0.0, nb))
+        self._record(Event(idx, sid, ready[idx], end[idx], name, "comm", cmd.where, 0.0, nb, sync if sid else None))
         if cmd.out != cmd.src:
             shape = _out_shape(cmd)
             self._new_value(cmd.out, _empty(self, shape, cmd.dtype), idx, alloc_at, cmd.where)
