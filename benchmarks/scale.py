@@ -1,7 +1,7 @@
 """One controller at 8 to 4,096 ranks, on synthetic hosts: how its cost grows.
 
     python benchmarks/scale.py [--sizes 8,64,512,4096] [--per-host 64] [--calls 20] [--plot benchmarks/scale.png]
-                               [--no-bundles]
+                               [--no-bundles] [--heartbeat-timeout 6]
 
 Each size runs in a fresh process against `tests/helpers/synthetic_hosts.py`'s agents: real host agents (CURVE
 links with heartbeats, relays, the workers' protocol spoken per rank, each rank's messages signed with its own
@@ -20,7 +20,11 @@ controller's CPU (`time.process_time`: all its threads) and the wall time, per:
 - one rank failing: until the grouped `RemoteError` naming it is raised.
 
 The synthetic hosts share this machine's cores with the controller: the wall times include their work, the
-CPU figures do not. Prints a markdown table; `--plot` draws the controller's CPU per call against ranks.
+CPU figures do not. The controller spends CPU while idle too (ZeroMQ's heartbeats on its four links to each host,
+measured over two idle seconds: `idle_cpu_ms_s`); the synthetic hosts make each call last longer than on a
+cluster, so each CPU figure is also given net of that idle rate over the call's wall time (`*_net_ms`). Hundreds
+of synthetic hosts on 2 cores can starve one of them past the heartbeats' 6 s (it is then taken as lost):
+`--heartbeat-timeout` raises it for the run. Prints a markdown table; `--plot` draws the controller's CPU per call against ranks.
 """
 
 from __future__ import annotations
@@ -58,6 +62,10 @@ try:
         fn()
         return time.process_time() - c0, time.perf_counter() - t0
 
+    c0 = time.process_time()
+    time.sleep(2)
+    idle = (time.process_time() - c0) / 2  # (CPU seconds a second, idle: heartbeats)
+    out["idle_cpu_ms_s"] = 1e3 * idle
     got = {{}}
     out["spawn_cpu_s"], out["spawn_s"] = timed(
         lambda: got.setdefault("mesh", monarch.notebook.job("scale").spawn_procs({{"gpu": per_host}})))
@@ -67,11 +75,13 @@ try:
     bundles = transport.bundles
     cpu, wall = timed(lambda: [noop.on(mesh)() for _ in range(calls)])
     out["noop_cpu_ms"], out["noop_ms"] = 1e3 * cpu / calls, 1e3 * wall / calls
+    out["noop_net_ms"] = 1e3 * (cpu - idle * wall) / calls
     out["noop_bundles"] = (transport.bundles - bundles) / calls
     counters = mesh.spawn("counters", Counter)
     assert counters.incr.call().get().values() == [1] * ranks
     cpu, wall = timed(lambda: [counters.incr.call().get() for _ in range(calls)])
     out["actor_cpu_ms"], out["actor_ms"] = 1e3 * cpu / calls, 1e3 * wall / calls
+    out["actor_net_ms"] = 1e3 * (cpu - idle * wall) / calls
     import torch
 
     def issue():
@@ -111,10 +121,10 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def one_size(hosts: int, per_host: int, calls: int, bundles: bool = True) -> dict:
+def one_size(hosts: int, per_host: int, calls: int, bundles: bool = True, heartbeat_timeout: float = 6.0) -> dict:
     script = ONE_SIZE.format(tests=TESTS, hosts=hosts, per_host=per_host, calls=calls)
     with tempfile.TemporaryDirectory() as jobs:
-        env = dict(os.environ, MONARCH_JOBS_DIR=jobs)
+        env = dict(os.environ, MONARCH_JOBS_DIR=jobs, MONARCH_HEARTBEAT_TIMEOUT=str(heartbeat_timeout))
         if not bundles:
             env["MONARCH_BUNDLE_WAIT_US"] = "0"
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=1800)
@@ -128,14 +138,16 @@ def one_size(hosts: int, per_host: int, calls: int, bundles: bool = True) -> dic
 
 def table(rows: list[dict]) -> str:
     out = [
-        "| ranks (hosts) | attach + spawn | no-op call: controller CPU / wall | messages per call | actor `call()` "
-        "| a tensor op issued: CPU / wall | a line from every rank | one rank of all failing |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| ranks (hosts) | attach + spawn | controller CPU idle | no-op call: controller CPU (net of idle) / wall "
+        "| messages per call | actor `call()`: CPU (net) / wall | a tensor op issued: CPU / wall | a line from every rank "
+        "| one rank of all failing |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         out.append(
-            f"| {r['ranks']:,} ({r['hosts']}) | {r['spawn_s']:.2f} s | {r['noop_cpu_ms']:.2f} / {r['noop_ms']:.2f} ms "
-            f"| {r['noop_bundles'] or r['ranks']:g} | {r['actor_cpu_ms']:.2f} / {r['actor_ms']:.2f} ms "
+            f"| {r['ranks']:,} ({r['hosts']}) | {r['spawn_s']:.2f} s | {r['idle_cpu_ms_s']:.0f} ms/s "
+            f"| {r['noop_cpu_ms']:.2f} ({r['noop_net_ms']:.2f}) / {r['noop_ms']:.2f} ms "
+            f"| {r['noop_bundles'] or r['ranks']:g} | {r['actor_cpu_ms']:.2f} ({r['actor_net_ms']:.2f}) / {r['actor_ms']:.2f} ms "
             f"| {r['op_cpu_us']:.1f} / {r['op_us']:.1f} µs "
             f"| {r['print_cpu_ms']:.1f} / {r['print_ms']:.1f} ms | {r['fail_cpu_ms']:.1f} / {r['fail_ms']:.1f} ms |"
         )
@@ -181,6 +193,7 @@ def main() -> None:
     ap.add_argument("--plot", default="", help="where to draw the PNG (none without)")
     ap.add_argument("--no-bundles", action="store_true", help="host agents send each message up as it came")
     ap.add_argument("--compare", action="store_true", help="each size with bundles and without, side by side")
+    ap.add_argument("--heartbeat-timeout", type=float, default=6.0, help="seconds before a silent host is lost")
     args = ap.parse_args()
     modes = [True, False] if args.compare else [not args.no_bundles]
     runs: dict[str, list[dict]] = {}
@@ -189,7 +202,7 @@ def main() -> None:
         if ranks % per_host:
             raise SystemExit(f"--sizes: {ranks} ranks is not a multiple of --per-host {per_host}")
         for bundles in modes:
-            row = one_size(ranks // per_host, per_host, args.calls, bundles)
+            row = one_size(ranks // per_host, per_host, args.calls, bundles, args.heartbeat_timeout)
             runs.setdefault("bundled" if bundles else "one message per rank", []).append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     for run, rows in runs.items():

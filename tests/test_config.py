@@ -20,6 +20,7 @@ def test_defaults_and_values_read_from_the_environment():
     assert from_env({"MONARCH_WORKER_SPIN_US": "0"}).worker_spin == 0
     assert Settings().bundle_wait == 0.002 and from_env({"MONARCH_BUNDLE_WAIT_US": "0"}).bundle_wait == 0
     assert Settings().bundle_above == 64 and from_env({"MONARCH_BUNDLE_ABOVE": "0"}).bundle_above == 0
+    assert Settings().heartbeat_timeout == 6 and from_env({"MONARCH_HEARTBEAT_TIMEOUT": "60"}).heartbeat_timeout == 60
 
 
 NICE = "give an integer from 0 (the controller's priority) to 19"
@@ -39,6 +40,7 @@ NICE = "give an integer from 0 (the controller's priority) to 19"
         ("MONARCH_WORKER_NICE", "-5", f"MONARCH_WORKER_NICE='-5'; {NICE}"),
         ("MONARCH_WORKER_NICE", "low", f"MONARCH_WORKER_NICE='low'; {NICE}"),
         ("MONARCH_LANES", "2", "MONARCH_LANES='2'; use 1 (local workers talk over Unix stream connections) or 0"),
+        ("MONARCH_HEARTBEAT_TIMEOUT", "0", "MONARCH_HEARTBEAT_TIMEOUT='0' is too small; give a number >= 1"),
     ],
 )
 def test_a_bad_value_names_the_variable_and_what_is_allowed(var, value, message):
@@ -85,3 +87,22 @@ def test_the_knobs_read_when_used_follow_the_environment(monkeypatch, tmp_path):
     )  # fmt: skip
     monkeypatch.delenv("MONARCH_JOBS_DIR")
     assert config.jobs_dir() == pathlib.Path.home() / ".monarch" / "jobs"
+
+
+def test_a_link_pings_three_times_a_timeout_and_tells_its_peer_the_timeout():
+    """`heartbeat` sets ZeroMQ's heartbeats from the timeout: a ping every third of it (a silent peer is noticed
+    within a ping's interval plus the timeout), and the timeout the peer applies to us (TTL)."""
+    import zmq
+
+    from monarch.runtime.wire.links import heartbeat
+
+    ctx = zmq.Context()
+    try:
+        for timeout, ivl in ((6.0, 2000), (60.0, 20000), (1.5, 500)):
+            sock = ctx.socket(zmq.DEALER)
+            heartbeat(sock, timeout)
+            got = [sock.getsockopt(o) for o in (zmq.HEARTBEAT_IVL, zmq.HEARTBEAT_TIMEOUT, zmq.HEARTBEAT_TTL)]
+            sock.close(0)
+            assert got == [ivl, int(timeout * 1000), int(timeout * 1000)]
+    finally:
+        ctx.term()

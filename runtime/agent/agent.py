@@ -72,10 +72,17 @@ class Agent:
         self.ctl.setsockopt(zmq.LINGER, 0)
         self.secret.curve.serve(self.ctl)
         self.monitor = self.ctl.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        heartbeat(self.ctl)
+        heartbeat(self.ctl, settings.heartbeat_timeout)
         self.ctl.bind(f"tcp://{cfg.bind_addr}:0")
         self.relay = Relay(
-            self.ctx, cfg.bind_addr, self.secret.curve, self.dir, self.log, cfg.index, settings.bundle_wait
+            self.ctx,
+            cfg.bind_addr,
+            self.secret.curve,
+            self.dir,
+            self.log,
+            cfg.index,
+            settings.bundle_wait,
+            settings.heartbeat_timeout,
         )
         self.procs = WorkerProcs(settings, self.dir, self._lost)
         self.meshes: dict[int, _Mesh] = {}

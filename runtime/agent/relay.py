@@ -31,7 +31,7 @@ import zmq
 
 from monarch.runtime.wire.fanin import FanIn
 from monarch.runtime.wire.keys import TOPIC, UPSTREAM, AgentCurve
-from monarch.runtime.wire.links import heartbeat
+from monarch.runtime.wire.links import HEARTBEAT_TIMEOUT, heartbeat
 
 _NOBLOCK = int(zmq.NOBLOCK)
 
@@ -48,9 +48,11 @@ class Relay:
         log: Any,
         index: int = 0,
         bundle_wait: float = 0.002,
+        heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
     ) -> None:
         self.ctx = ctx
         self.log = log
+        self.heartbeat_timeout = heartbeat_timeout
         self.topics: set[bytes] = set()
         """Topics of the meshes this host runs (workers may subscribe to these only)."""
         self.mesh_of: dict[bytes, int] = {}
@@ -100,7 +102,7 @@ class Relay:
         s.setsockopt(zmq.RCVHWM, 0)
         if curve is not None:
             curve.serve(s)
-            heartbeat(s)
+            heartbeat(s, self.heartbeat_timeout)
         return s
 
     def allow(self, topics: list[bytes]) -> None:

@@ -5,7 +5,7 @@ is signed and sent once, and ZeroMQ copies it once per host whose agent subscrib
 once per worker); each agent relays it to its host's workers and their replies back, so replies of every
 mesh, local or remote, arrive on the controller's one reply socket. A link of its own to each agent
 (signed with the job's key) starts, signals and stops workers and reports the ones lost. ZeroMQ's
-heartbeats notice a host whose link went down within `HEARTBEAT_TIMEOUT` seconds.
+heartbeats notice a host whose link went down within `Settings.heartbeat_timeout` seconds.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from monarch.runtime.common.shape import Shape
 from monarch.runtime.procs.jobfiles import AgentRecord, JobDir, Manifest
 from monarch.runtime.wire import codec, protocol
 from monarch.runtime.wire.controller_end import PeerStalled
-from monarch.runtime.wire.links import HEARTBEAT_TIMEOUT, LinkEnd, heartbeat
+from monarch.runtime.wire.links import LinkEnd, heartbeat
 from monarch.runtime.wire.protocol import Control
 
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -73,6 +73,8 @@ class _Mesh:
     running: bool = False
     stopped: dict[int, dict] = field(default_factory=dict)
     """Host index -> exit statuses it reported (`WorkersStopped`)."""
+    here: tuple[list[int], ...] | None = None
+    """The ranks of each of its hosts that is this machine (`workers_here`, asked at each call's wait: found once)."""
 
 
 @dataclass
@@ -129,7 +131,7 @@ class HostsBackend(Backend):
                 sock = self.ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
                 self.secret.curve.client(sock)
-                heartbeat(sock)
+                heartbeat(sock, self.settings.heartbeat_timeout)
                 monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
                 sock.connect(rec.endpoints["ctl"])
                 self.hosts.append(Host(rec, sock, monitor, LinkEnd(self.secret.key, codec.CONTROLLER, rec.index)))
@@ -229,7 +231,8 @@ class HostsBackend(Backend):
                         event = zmq.utils.monitor.recv_monitor_message(sock)
                         if event["event"] == zmq.EVENT_DISCONNECTED:
                             self._host_lost(
-                                i, f"stopped answering (no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s, or its agent died)"
+                                i,
+                                f"stopped answering (no heartbeat for {self.settings.heartbeat_timeout:g} s, or its agent died)",
                             )
             except zmq.ContextTerminated:
                 return
@@ -399,10 +402,12 @@ class HostsBackend(Backend):
         mesh = self.meshes.get(mesh_id)
         if mesh is None:
             return 0
-        here = [rs for i, rs in mesh.hosts.items() if self.hosts[i].record.host == self.here]
+        here = mesh.here
+        if here is None:
+            here = mesh.here = tuple(rs for i, rs in mesh.hosts.items() if self.hosts[i].record.host == self.here)
         if not here:
             return 0
-        if len(ranks) == sum(len(rs) for rs in mesh.hosts.values()):  # (the whole mesh, asked at each wait)
+        if len(ranks) == len(mesh.shape):  # (the whole mesh, asked at each wait)
             return sum(len(rs) for rs in here)
         wanted = set(ranks)
         return sum(len(wanted.intersection(rs)) for rs in here)

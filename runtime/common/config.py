@@ -84,6 +84,11 @@ class Settings:
     with several of its ranks). A smaller mesh's replies go up as they came, through a C proxy: bundling saves the
     controller ~10 µs a rank but costs each reply a hop through the agent's Python (~0.1-0.2 ms a call on a
     2-core machine); it pays where ranks are many. 0: every mesh of several ranks a host."""
+    heartbeat_timeout: float = 6.0
+    """[MONARCH_HEARTBEAT_TIMEOUT] Seconds a link across hosts (the controller's to a host agent) may go without a
+    sign of the other end before that host is taken as lost; each end pings every third of it. Raise it where a
+    host may be starved of CPU for longer (3 s took a host that was only slow for lost on a 2-core VM with 30-45%
+    steal; hundreds of synthetic hosts on one machine need more). At least 1."""
     prewarm: bool = True
     """[MONARCH_PREWARM] ``1`` (the default) or ``0``: whether the Monarch kernel starts the workers' fork server
     (the process that imports torch once, workers being forked from it) as the kernel starts, so that its
@@ -106,6 +111,7 @@ _ENV = {
     "exit_grace": "MONARCH_EXIT_GRACE",
     "hang_report": "MONARCH_HANG_REPORT",
     "stack_report": "CONTROLLER_PYSPY_REPORT_INTERVAL",
+    "heartbeat_timeout": "MONARCH_HEARTBEAT_TIMEOUT",
     "prewarm": "MONARCH_PREWARM",
     "lanes": "MONARCH_LANES",
     "worker_nice": "MONARCH_WORKER_NICE",
@@ -154,6 +160,8 @@ def from_env(env: dict[str, str] | os._Environ = os.environ) -> Settings:
             values[field] = _number(var, text, int, 1)
         elif field == "bundle_above":
             values[field] = _number(var, text, int, 0)
+        elif field == "heartbeat_timeout":
+            values[field] = _number(var, text, float, 1)
         elif field == "worker_nice":
             try:
                 nice = int(text)

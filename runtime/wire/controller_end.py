@@ -191,7 +191,7 @@ class ControllerTransport:
         def connect(sock: zmq.Socket[bytes], name: str) -> None:
             # (options are taken at connect or bind time: the binds made before keep serving CURVE)
             curve.client(sock)
-            heartbeat(sock)
+            heartbeat(sock, self.settings.heartbeat_timeout)
             sock.connect(endpoints[name])
 
         self._on_each_socket(connect)

@@ -10,19 +10,23 @@ import zmq
 
 from monarch.runtime.wire import codec, protocol
 
-HEARTBEAT_IVL = 1.0
-"""Seconds between ZeroMQ heartbeats on a link across hosts."""
 HEARTBEAT_TIMEOUT = 6.0
-"""Seconds without a sign of the other end before a link across hosts is taken as lost. (3 s took a host
-that was only slow for lost: on a loaded 2-core VM, with 30-45% steal, a link went 3 s without a beat.)"""
+"""Seconds without a sign of the other end before a link across hosts is taken as lost, by default
+(`Settings.heartbeat_timeout`, MONARCH_HEARTBEAT_TIMEOUT). (3 s took a host that was only slow for lost: on a
+loaded 2-core VM, with 30-45% steal, a link went 3 s without a beat.)"""
+PINGS_PER_TIMEOUT = 3
+"""Heartbeats sent per timeout. A silent peer is noticed within a ping's interval plus the timeout (the timeout
+runs from a ping that nothing answered), whatever the interval; each ping costs both ends' I/O threads, on
+every link (a controller of 512 hosts has 2,048 links: at 1 s, 30 ms of its CPU a second per 128 hosts)."""
 
 
-def heartbeat(sock: zmq.Socket[bytes]) -> None:
+def heartbeat(sock: zmq.Socket[bytes], timeout: float) -> None:
     """ZeroMQ's own heartbeats on `sock`'s next connections: a peer that stops answering (a host whose link
-    went down, with no RST) is disconnected after `HEARTBEAT_TIMEOUT`."""
-    sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_IVL * 1000))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT * 1000))
-    sock.setsockopt(zmq.HEARTBEAT_TTL, int(HEARTBEAT_TIMEOUT * 1000))
+    went down, with no RST) is disconnected after `timeout` seconds (`Settings.heartbeat_timeout`)."""
+    timeout_ms = int(timeout * 1000)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, timeout_ms // PINGS_PER_TIMEOUT)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms)
 
 
 class LinkEnd:
