@@ -176,7 +176,7 @@ def plot(runs: dict[str, list[dict]], path: str) -> None:
                             textcoords="offset points", xytext=(4, -12), fontsize=8)  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("ranks (64 per host from 64)")
+    ax.set_xlabel("ranks")
     ax.set_ylabel("controller CPU per call (ms)")
     ax.set_title("one controller, synthetic hosts")
     ax.grid(True, which="both", alpha=0.3)
