@@ -24,7 +24,8 @@ CPU figures do not. The controller spends CPU while idle too (ZeroMQ's heartbeat
 measured over two idle seconds: `idle_cpu_ms_s`); the synthetic hosts make each call last longer than on a
 cluster, so each CPU figure is also given net of that idle rate over the call's wall time (`*_net_ms`). Hundreds
 of synthetic hosts on 2 cores can starve one of them past the heartbeats' 6 s (it is then taken as lost):
-`--heartbeat-timeout` raises it for the run. Prints a markdown table; `--plot` draws the controller's CPU per call against ranks.
+`--heartbeat-timeout` raises it for the run. Prints a markdown table; `--plot` draws the controller's CPU per call
+against ranks.
 """
 
 from __future__ import annotations
