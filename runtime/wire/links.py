@@ -8,11 +8,12 @@ from typing import Any
 
 import zmq
 
+from monarch.runtime.common.config import Settings
 from monarch.runtime.wire import codec, protocol
 
-HEARTBEAT_TIMEOUT = 6.0
+HEARTBEAT_TIMEOUT: float = Settings.heartbeat_timeout
 """Seconds without a sign of the other end before a link across hosts is taken as lost, by default
-(`Settings.heartbeat_timeout`, MONARCH_HEARTBEAT_TIMEOUT). (3 s took a host that was only slow for lost: on a
+(`Settings.heartbeat_timeout`'s default, MONARCH_HEARTBEAT_TIMEOUT). (3 s took a host that was only slow for lost: on a
 loaded 2-core VM, with 30-45% steal, a link went 3 s without a beat.)"""
 PINGS_PER_TIMEOUT = 3
 """Heartbeats sent per timeout. A silent peer is noticed within a ping's interval plus the timeout (the timeout
