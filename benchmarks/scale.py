@@ -1,7 +1,7 @@
 """One controller at 8 to 4,096 ranks, on synthetic hosts: how its cost grows.
 
     python benchmarks/scale.py [--sizes 8,64,512,4096] [--per-host 64] [--calls 20] [--plot benchmarks/scale.png]
-                               [--no-bundles] [--heartbeat-timeout 6]
+                               [--no-bundles] [--heartbeat-timeout 6] [--rack-above 64] [--rack-size 16]
 
 Each size runs in a fresh process against `tests/helpers/synthetic_hosts.py`'s agents: real host agents (CURVE
 links with heartbeats, relays, the workers' protocol spoken per rank, each rank's messages signed with its own
@@ -24,7 +24,8 @@ CPU figures do not. The controller spends CPU while idle too (ZeroMQ's heartbeat
 measured over two idle seconds: `idle_cpu_ms_s`); the synthetic hosts make each call last longer than on a
 cluster, so each CPU figure is also given net of that idle rate over the call's wall time (`*_net_ms`). Hundreds
 of synthetic hosts on 2 cores can starve one of them past the heartbeats' 6 s (it is then taken as lost):
-`--heartbeat-timeout` raises it for the run. Prints a markdown table; `--plot` draws the controller's CPU per call
+`--heartbeat-timeout` raises it for the run. A job of more hosts than `--rack-above` (the runtime's default, 64) is
+racked by `--rack-size` (`runtime/agent/rack.py`: each rack's leader merges its hosts' bundles). Prints a markdown table; `--plot` draws the controller's CPU per call
 against ranks.
 """
 
@@ -122,10 +123,13 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def one_size(hosts: int, per_host: int, calls: int, bundles: bool = True, heartbeat_timeout: float = 6.0) -> dict:
+def one_size(
+    hosts: int, per_host: int, calls: int, bundles: bool = True, heartbeat_timeout: float = 6.0,
+    racks: dict[str, str] | None = None,
+) -> dict:  # fmt: skip
     script = ONE_SIZE.format(tests=TESTS, hosts=hosts, per_host=per_host, calls=calls)
     with tempfile.TemporaryDirectory() as jobs:
-        env = dict(os.environ, MONARCH_JOBS_DIR=jobs, MONARCH_HEARTBEAT_TIMEOUT=str(heartbeat_timeout))
+        env = dict(os.environ, MONARCH_JOBS_DIR=jobs, MONARCH_HEARTBEAT_TIMEOUT=str(heartbeat_timeout), **(racks or {}))
         if not bundles:
             env["MONARCH_BUNDLE_WAIT_US"] = "0"
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=1800)
@@ -156,7 +160,8 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(runs: dict[str, list[dict]], path: str) -> None:
-    """The controller's CPU per call against ranks: each of `runs` (label -> rows), the first drawn solid."""
+    """The controller's CPU per call against ranks: each of `runs` (label -> rows), the first drawn solid, then
+    dashed, then dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,7 +173,7 @@ def plot(runs: dict[str, list[dict]], path: str) -> None:
         ranks = [r["ranks"] for r in rows]
         for key, label in (("noop_cpu_ms", "no-op call"), ("actor_cpu_ms", "actor call()"),
                            ("print_cpu_ms", "a line from every rank"), ("fail_cpu_ms", "one rank failing")):  # fmt: skip
-            line = ax.plot(ranks, [r[key] for r in rows], marker="o", linestyle="-" if n == 0 else "--",
+            line = ax.plot(ranks, [r[key] for r in rows], marker="os^"[n % 3], linestyle=("-", "--", ":")[n % 3],
                            color=colors.get(key), label=f"{label}, {run}")  # fmt: skip
             colors[key] = line[0].get_color()
         if n == 0:
@@ -195,7 +200,14 @@ def main() -> None:
     ap.add_argument("--no-bundles", action="store_true", help="host agents send each message up as it came")
     ap.add_argument("--compare", action="store_true", help="each size with bundles and without, side by side")
     ap.add_argument("--heartbeat-timeout", type=float, default=6.0, help="seconds before a silent host is lost")
+    ap.add_argument("--rack-above", type=int, help="rack a job of more hosts than this (default: the runtime's)")
+    ap.add_argument("--rack-size", type=int, help="hosts per rack (default: the runtime's)")
     args = ap.parse_args()
+    racks = {}
+    if args.rack_above is not None:
+        racks["MONARCH_RACK_ABOVE"] = str(args.rack_above)
+    if args.rack_size is not None:
+        racks["MONARCH_RACK_SIZE"] = str(args.rack_size)
     modes = [True, False] if args.compare else [not args.no_bundles]
     runs: dict[str, list[dict]] = {}
     for ranks in (int(s) for s in args.sizes.split(",")):
@@ -203,7 +215,7 @@ def main() -> None:
         if ranks % per_host:
             raise SystemExit(f"--sizes: {ranks} ranks is not a multiple of --per-host {per_host}")
         for bundles in modes:
-            row = one_size(ranks // per_host, per_host, args.calls, bundles, args.heartbeat_timeout)
+            row = one_size(ranks // per_host, per_host, args.calls, bundles, args.heartbeat_timeout, racks)
             runs.setdefault("bundled" if bundles else "one message per rank", []).append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     for run, rows in runs.items():

@@ -21,6 +21,8 @@ def test_defaults_and_values_read_from_the_environment():
     assert Settings().bundle_wait == 0.002 and from_env({"MONARCH_BUNDLE_WAIT_US": "0"}).bundle_wait == 0
     assert Settings().bundle_above == 64 and from_env({"MONARCH_BUNDLE_ABOVE": "0"}).bundle_above == 0
     assert Settings().heartbeat_timeout == 6 and from_env({"MONARCH_HEARTBEAT_TIMEOUT": "60"}).heartbeat_timeout == 60
+    assert Settings().rack_above == 64 and from_env({"MONARCH_RACK_ABOVE": "0"}).rack_above == 0
+    assert Settings().rack_size == 16 and from_env({"MONARCH_RACK_SIZE": "4"}).rack_size == 4
 
 
 NICE = "give an integer from 0 (the controller's priority) to 19"
@@ -41,6 +43,8 @@ NICE = "give an integer from 0 (the controller's priority) to 19"
         ("MONARCH_WORKER_NICE", "low", f"MONARCH_WORKER_NICE='low'; {NICE}"),
         ("MONARCH_LANES", "2", "MONARCH_LANES='2'; use 1 (local workers talk over Unix stream connections) or 0"),
         ("MONARCH_HEARTBEAT_TIMEOUT", "0", "MONARCH_HEARTBEAT_TIMEOUT='0' is too small; give a number >= 1"),
+        ("MONARCH_RACK_SIZE", "1", "MONARCH_RACK_SIZE='1' is too small; give an integer >= 2"),
+        ("MONARCH_RACK_ABOVE", "many", "MONARCH_RACK_ABOVE='many' is not an integer; give an integer >= 0"),
     ],
 )
 def test_a_bad_value_names_the_variable_and_what_is_allowed(var, value, message):

@@ -14,10 +14,9 @@ import pytest
 
 import monarch
 import monarch.notebook
-from monarch.runtime.controller import get_controller
 
 from conftest import pid_alive
-from helpers.synthetic_hosts import Counter, SyntheticJob, a_list, fail_on, noop, rank_of, say
+from helpers.synthetic_hosts import Came, Counter, SyntheticJob, a_list, fail_on, noop, rank_of, say
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,19 +40,6 @@ def mesh(job):
     m = monarch.notebook.job(job.name).spawn_procs({"gpu": PER_HOST})
     yield m
     m.exit()
-
-
-class Came:
-    """Bundles (and their items) the controller took during a block."""
-
-    def __enter__(self) -> Came:
-        self.transport = get_controller().backend.transport
-        self.start = (self.transport.bundles, self.transport.bundled)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.bundles = self.transport.bundles - self.start[0]
-        self.items = self.transport.bundled - self.start[1]
 
 
 def test_a_call_on_512_ranks_reaches_the_controller_as_one_bundle_per_host(mesh):

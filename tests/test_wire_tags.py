@@ -19,6 +19,7 @@ TAGS = {
     "WorkersStopped": 43, "WorkerLost": 44, "SyncOffer": 45, "SyncWant": 46, "SyncFiles": 47, "Synced": 48,
     "Stacks": 49, "Goodbye": 50, "ActorSend": 51, "ActorAnswer": 52, "Cast": 53,
     "CastFailed": 54, "PortSend": 55, "CallActor": 56, "ReadyTorch": 57, "Bundle": 58,
+    "Lead": 59, "Leading": 60, "RackMesh": 61,
 }  # fmt: skip
 """Every message's wire tag. A new message takes a new number; an existing one never changes."""
 

@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 import zmq.utils.monitor
 
+from monarch.runtime.agent.rack import RackLeader
 from monarch.runtime.agent.relay import Relay
 from monarch.runtime.common.config import Settings
 from monarch.runtime.common.log import RateLimitedLog
@@ -106,7 +107,11 @@ class Agent:
             protocol.StopWorkers: self._stop,
             protocol.SyncOffer: self._sync_offer,
             protocol.SyncFiles: self._sync_files,
+            protocol.Lead: self._lead,
+            protocol.RackMesh: self._rack_mesh,
         }
+        self.rack: RackLeader | None = None
+        """This host's rack's merger, once a controller made it the rack's leader."""
         self.workspace = Manifest(cfg.workspace) if cfg.workspace else None
         self._sync_removed: list[str] = []
         self._sync_wanted: list[str] = []
@@ -230,7 +235,22 @@ class Agent:
         for mesh_id in list(self.meshes):
             self.procs.kill(mesh_id)
             threading.Thread(target=self._reap, args=(mesh_id, 0.0, False), daemon=True).start()
+        if self.rack is not None:
+            self.rack.stop_leading()
         self.attached, self.attached_fd, self.controller = None, -1, ""
+
+    # -- leading a rack ----------------------------------------------------------------------------------
+    def _lead(self, msg: protocol.Lead) -> None:
+        if self.rack is None:
+            self.rack = RackLeader(
+                self.ctx, self.cfg.bind_addr, self.secret.curve, self.cfg.index, self.log, self.settings.bundle_wait,
+                self.settings.heartbeat_timeout, lambda endpoints, missing: self.post(protocol.Leading(endpoints, missing)),
+            )  # fmt: skip
+        self.rack.lead(msg.members)
+
+    def _rack_mesh(self, msg: protocol.RackMesh) -> None:
+        if self.rack is not None:
+            self.rack.set_mesh(msg.mesh_id, msg.key, msg.ranks)
 
     # -- workers -----------------------------------------------------------------------------------------
     def admit(self, msg: protocol.StartWorkers) -> tuple[list[int], str]:
@@ -242,7 +262,7 @@ class Agent:
         if not msg.starts:
             return ranks, self.relay.local["reply"]
         bundled = msg.size > self.settings.bundle_above and len(ranks) > 1
-        return ranks, self.relay.add_mesh(msg.mesh_id, msg.starts[0][4][0], ranks, topics, bundled)
+        return ranks, self.relay.add_mesh(msg.mesh_id, msg.starts[0][4][0], ranks, topics, bundled, msg.size)
 
     def _start(self, msg: protocol.StartWorkers) -> None:
         ranks, reply = self.admit(msg)
@@ -336,6 +356,8 @@ class Agent:
             self.procs.wait_exit(mesh_id, 2)
         self.job.remove_agent(self.cfg.index)
         self.procs.close()
+        if self.rack is not None:
+            self.rack.close()
         self.relay.close()
         self._auth.stop()
         self.ctx.destroy(linger=0)

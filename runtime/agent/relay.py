@@ -109,11 +109,13 @@ class Relay:
         with self._lock:
             self.topics.update(topics)
 
-    def add_mesh(self, mesh_id: int, key: bytes, ranks: list[int], topics: list[bytes], bundled: bool) -> str:
-        """This host runs `ranks` of mesh `mesh_id` (signed with `key`; commands come on `topics`); `bundled`:
-        their replies are bundled. The address its workers send their replies to."""
+    def add_mesh(
+        self, mesh_id: int, key: bytes, ranks: list[int], topics: list[bytes], bundled: bool, size: int = 0
+    ) -> str:
+        """This host runs `ranks` of mesh `mesh_id` (of `size` ranks in all; signed with `key`; commands come on
+        `topics`); `bundled`: their replies are bundled. The address its workers send their replies to."""
         if bundled:
-            self.fanin.add_mesh(mesh_id, key, ranks)
+            self.fanin.add_mesh(mesh_id, key, ranks, size)
         for topic in topics:
             self.mesh_of[topic] = mesh_id
         self.allow(topics)

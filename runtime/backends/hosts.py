@@ -54,6 +54,13 @@ class Host:
     """Its `AgentInfo`."""
     lost: str = ""
     """Why it is lost ("" while it answers)."""
+    leader: int = -1
+    """The host whose agent relays this one's commands and replies (its rack's leader, perhaps itself); -1: not
+    racked, or no longer (its leader was lost): the controller's sockets connect to its own relay."""
+    leading: dict[str, str] = field(default_factory=dict)
+    """Where its rack's commands go in and replies come out ("cmd", "reply"), when it leads one (`agent/rack.py`)."""
+    connected: dict[str, str] = field(default_factory=dict)
+    """The addresses the controller's command, reply and store sockets connected to for this host."""
 
     @property
     def name(self) -> str:
@@ -164,8 +171,15 @@ class HostsBackend(Backend):
                                 f"job {self.job.name}: the agent on {host.name} refused: {msg.refused}"
                             )
                         host.info = msg
+            if len(self.hosts) > max(1, self.settings.rack_above):
+                self._rack(deadline)
+            for host in self.hosts:
+                racked = host.leader >= 0
+                host.connected = (
+                    {"store": host.record.endpoints["store"], **host.leading} if racked else host.record.endpoints
+                )
             left = max(1.0, deadline - time.monotonic())
-            slow = self.transport.connect_agents([h.record.endpoints for h in self.hosts], self.secret.curve, left)
+            slow = self.transport.connect_agents([h.connected for h in self.hosts], self.secret.curve, left)
             if slow:
                 names = ", ".join(self.hosts[i].name for i in slow)
                 raise ConnectionError(
@@ -178,6 +192,46 @@ class HostsBackend(Backend):
             raise
         self._thread = threading.Thread(target=self._serve, name=f"monarch-job-{self.job.name}", daemon=True)
         self._thread.start()
+
+    def _rack(self, deadline: float) -> None:
+        """Make every `Settings.rack_size` consecutive hosts a rack, led by its first host's agent, which relays
+        their commands and replies (`agent/rack.py`); wait until each leader says where they go in and come out."""
+        size = self.settings.rack_size
+        leaders = range(0, len(self.hosts), size)
+        for first in leaders:
+            members = range(first, min(first + size, len(self.hosts)))
+            for m in members:
+                self.hosts[m].leader = first
+            relays = {m: {name: self.hosts[m].record.endpoints[name] for name in ("cmd", "reply")} for m in members}
+            self._send(first, protocol.Lead(relays))
+        for first in leaders:
+            host = self.hosts[first]
+            while not host.leading:
+                left = deadline - time.monotonic()
+                if left <= 0 or not host.sock.poll(max(1, int(left * 1000))):
+                    raise ConnectionError(
+                        f"job {self.job.name}: the agent on {host.name} did not take the lead of its rack within "
+                        f"{ATTACH_TIMEOUT:.0f} s (an agent of an older version? MONARCH_RACK_ABOVE=0 racks no job)"
+                    )
+                msg = self._recv(first)
+                if type(msg) is not protocol.Leading:
+                    continue
+                if msg.missing:
+                    raise ConnectionError(
+                        f"job {self.job.name}: the agent on {host.name}, leading its rack, could not reach the relays "
+                        f"at {', '.join(msg.missing)}"
+                    )
+                host.leading = dict(msg.endpoints)
+
+    def _rack_mesh(self, mesh_id: int, key: bytes, placement: dict[int, list[int]]) -> None:
+        """Tell each rack's leader which of its hosts run the mesh and their ranks (no `key`: the mesh is gone)."""
+        racks: dict[int, dict[int, tuple[int, ...]]] = {}
+        for i, ranks in placement.items():
+            leader = self.hosts[i].leader
+            if leader >= 0 and not self.hosts[leader].lost:
+                racks.setdefault(leader, {})[i] = tuple(ranks) if key else ()
+        for leader, ranks in racks.items():
+            self._send(leader, protocol.RackMesh(mesh_id, key, ranks if key else {}))
 
     # -- the links ---------------------------------------------------------------------------------------
     def _send(self, i: int, message: Any, body: list | None = None) -> None:
@@ -274,11 +328,27 @@ class HostsBackend(Backend):
         if ended:
             why = ended
         host.lost = why
+        members = [m for m, h in enumerate(self.hosts) if h.leader == i and m != i and not h.lost and not ended]
+        for m in members:  # its rack's other hosts: their commands and replies go directly from now on
+            member = self.hosts[m]
+            member.leader = -1
+            direct = {name: member.record.endpoints[name] for name in ("cmd", "reply")}
+            self.transport.connect_agent(direct, self.secret.curve)
+            member.connected = {**member.connected, **direct}
+        self._lose_ranks(i, f"{'whose' if ended else 'which'} {why}")
+        for m in members:  # what they sent through the leader that it had not passed on is lost with it
+            self._lose_ranks(
+                m, f"whose replies came through the agent of host {host.name} (its rack's leader), which {why}"
+            )
+
+    def _lose_ranks(self, i: int, why: str) -> None:
+        """Host `i`'s ranks are lost to every mesh they are of, `why`."""
+        host = self.hosts[i]
         for mesh_id, mesh in list(self.meshes.items()):
             ranks = mesh.hosts.get(i)
             if not ranks:
                 continue
-            cause = f"is on host {host.name}, {'whose' if ended else 'which'} {why}"
+            cause = f"is on host {host.name}, {why}"
             if mesh.running:
                 for rank in ranks:  # (each: a mesh with actors goes on without them; one without stops at the first)
                     if mesh.running:
@@ -348,6 +418,8 @@ class HostsBackend(Backend):
         self.local.expect_startup(mesh_id, lambda env: take_startup(mesh, env))
         ok = False
         try:
+            if keys:
+                self._rack_mesh(mesh_id, keys[0].key, placement)
             by_rank = {rank: coords for coords, rank in points}
             for i in range(len(self.hosts)):
                 starts = []
@@ -451,6 +523,7 @@ class HostsBackend(Backend):
         if graceful:
             drain_output(self.transport, mesh_id, codes)
         self.meshes.pop(mesh_id, None)
+        self._rack_mesh(mesh_id, b"", mesh.hosts)
         self.transport.remove_mesh(mesh_id)
         self.local.store.forget_mesh(mesh_id)
         return codes
@@ -475,7 +548,7 @@ class HostsBackend(Backend):
 
     def _close_links(self) -> None:
         for host in self.hosts:
-            self.transport.disconnect_agent(host.record.endpoints)
+            self.transport.disconnect_agent(host.connected or host.record.endpoints)
             with self._lock:
                 with contextlib.suppress(zmq.ZMQError):
                     host.sock.disable_monitor()

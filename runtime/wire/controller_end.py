@@ -47,8 +47,8 @@ REPLY_HWM = 10_000
 holds its output until the controller reads; its memory, not ours)."""
 JUNK_HWM = 16
 """Messages queued from one connection on sockets where only start-up messages are expected."""
-AGENTS = fanin.agent_sender(0)
-"""Sender ranks at or below this are host agents (`wire/fanin.py`), whose messages are `Bundle`s."""
+AGENTS = fanin.AGENTS
+"""Sender ranks at or below this are host agents (`wire/fanin.py`) or racks (`agent/rack.py`): `Bundle`s."""
 _INT = {int}
 POKE = object()
 """`ControllerTransport.recv`'s answer for a poke: an empty message that wakes a blocked receiver."""
@@ -186,13 +186,16 @@ class ControllerTransport:
     def connect_agent(self, endpoints: dict[str, str], curve: AgentCurve) -> None:
         """Connect the command, reply and store sockets to a host agent's (which relays them to its host's
         workers), as a CURVE client of the job's key pair; ZeroMQ heartbeats watch each connection. Each
-        socket is touched under its owner's lock or on its owner's thread, never while another thread uses it."""
+        socket is touched under its owner's lock or on its owner's thread, never while another thread uses it.
+        Only the sockets `endpoints` names ("cmd", "reply", "store"): a racked host's commands and replies go
+        through its rack's leader, whose own addresses are given for them (`agent/rack.py`)."""
 
         def connect(sock: zmq.Socket[bytes], name: str) -> None:
             # (options are taken at connect or bind time: the binds made before keep serving CURVE)
-            curve.client(sock)
-            heartbeat(sock, self.settings.heartbeat_timeout)
-            sock.connect(endpoints[name])
+            if name in endpoints:
+                curve.client(sock)
+                heartbeat(sock, self.settings.heartbeat_timeout)
+                sock.connect(endpoints[name])
 
         self._on_each_socket(connect)
 
@@ -207,7 +210,7 @@ class ControllerTransport:
         try:
             for endpoints in agents:
                 self.connect_agent(endpoints, curve)
-            waiting = {endpoints["cmd"]: i for i, endpoints in enumerate(agents)}
+            waiting = {endpoints["cmd"]: i for i, endpoints in enumerate(agents) if "cmd" in endpoints}
             deadline = time.monotonic() + timeout
             while waiting:
                 left = deadline - time.monotonic()
@@ -226,7 +229,7 @@ class ControllerTransport:
         def disconnect(sock: zmq.Socket[bytes], name: str) -> None:
             try:
                 sock.disconnect(endpoints[name])
-            except zmq.ZMQError:
+            except (zmq.ZMQError, KeyError):
                 pass  # never connected, or closed
 
         self._on_each_socket(disconnect)
@@ -517,7 +520,7 @@ class ControllerTransport:
     def _bundle(self, env: codec.Envelope, mesh: _Mesh, misplaced: bool) -> Any:
         """A host agent's `Bundle` (signature checked): its number is new, it is a bundle, each of its items names
         ranks of the mesh and a message a worker sends up; the receiver acts on each."""
-        who = f"the agent of host {AGENTS - env.rank} (mesh {env.mesh_id})"
+        who = f"{fanin.sender_name(env.rank)} (mesh {env.mesh_id})"
         if misplaced:
             self.log("a message", f"{who} sent a bundle where only workers' messages come")
             return DROPPED
@@ -525,7 +528,10 @@ class ControllerTransport:
             self.log("a replayed message", f"{who} already sent number {env.seq}")
             return DROPPED
         mesh.agents_seen[env.rank] = env.seq
-        bundle = protocol.unpack(env.message)
+        message = env.message
+        if type(message) is tuple and len(message) == 2:  # (an agent of a version before: no `now`)
+            message = (*message, False)
+        bundle = protocol.unpack(message)
         n = len(mesh.seen)
         if type(bundle) is not protocol.Bundle or type(bundle.items) is not tuple:
             raise ValueError(f"{who} sent a {type(bundle).__name__} where only bundles come")

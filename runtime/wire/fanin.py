@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,24 @@ def agent_sender(index: int) -> int:
     return -2 - index
 
 
+AGENTS = agent_sender(0)
+"""Sender ranks at or below this are host agents, whose messages are `Bundle`s."""
+RACKS = 1 << 20
+"""Host indexes from here on name racks (`rack_sender`), not hosts."""
+
+
+def rack_sender(index: int) -> int:
+    """The sender rank of the merged bundles of the rack that host `index` leads (`agent/rack.py`): apart from the
+    host's own, whose numbers run apart."""
+    return agent_sender(RACKS + index)
+
+
+def sender_name(rank: int) -> str:
+    """Who an agent's sender rank stands for, for people."""
+    index = AGENTS - rank
+    return f"the rack leader on host {index - RACKS}" if index >= RACKS else f"the agent of host {index}"
+
+
 @dataclass
 class _Mesh:
     key: bytes
@@ -59,6 +77,10 @@ class _Mesh:
     """`time.monotonic()` when the oldest of `held` came."""
     expect: dict[int, int] = field(default_factory=dict)
     """Call id -> how many of its replies are still to come from this host."""
+    size: int = 0
+    """The mesh's ranks, on every host (0: not known)."""
+    views: set[int] = field(default_factory=set)
+    """Of `expect`, the calls on some of the mesh's ranks only (their bundle says so: `Bundle.now`)."""
 
 
 class FanIn:
@@ -79,8 +101,8 @@ class FanIn:
         self.bundles = 0
         """Bundles sent (for tests: that bundling happened)."""
 
-    def add_mesh(self, mesh_id: int, key: bytes, ranks: Sequence[int]) -> None:
-        self.meshes[mesh_id] = _Mesh(key, frozenset(ranks), dict.fromkeys(ranks, 0))
+    def add_mesh(self, mesh_id: int, key: bytes, ranks: Sequence[int], size: int = 0) -> None:
+        self.meshes[mesh_id] = _Mesh(key, frozenset(ranks), dict.fromkeys(ranks, 0), size=size)
 
     def remove_mesh(self, mesh_id: int) -> None:
         self.meshes.pop(mesh_id, None)
@@ -105,8 +127,10 @@ class FanIn:
         here = mesh.ranks.intersection(call.ranks)
         if here:
             if len(mesh.expect) >= EXPECT_MAX:
-                mesh.expect.pop(next(iter(mesh.expect)))
+                mesh.views.discard(mesh.expect.pop(next(iter(mesh.expect))))
             mesh.expect[call.call_id] = len(here)
+            if len(call.ranks) != mesh.size:
+                mesh.views.add(call.call_id)
 
     # -- messages on their way up --------------------------------------------------------------------
     def take(self, frames: list[Any]) -> None:
@@ -150,7 +174,10 @@ class FanIn:
             left -= 1
             if left <= 0:
                 mesh.expect.pop(call_id, None)
-                self.flush(mesh_id)
+                view = call_id in mesh.views
+                if view:
+                    mesh.views.discard(call_id)
+                self.flush(mesh_id, now=view)
                 return
             mesh.expect[call_id] = left
         if len(held) >= HOLD_MAX:
@@ -172,26 +199,35 @@ class FanIn:
             if mesh.held and now >= mesh.since + self.wait:
                 self.flush(mesh_id)
 
-    def flush(self, mesh_id: int) -> None:
-        """Send up what `mesh_id`'s ranks sent that is held, as one bundle."""
+    def flush(self, mesh_id: int, now: bool = False) -> None:
+        """Send up what `mesh_id`'s ranks sent that is held, as one bundle (`now`: `Bundle.now`)."""
         mesh = self.meshes.get(mesh_id)
         if mesh is None or not mesh.held:
             return
         held, mesh.held = mesh.held, []
         mesh.seq += 1
-        bundle = protocol.Bundle(group(held))
+        bundle = protocol.Bundle(group(held), now)
         self.send(codec.encode(mesh.key, mesh_id, self.sender, mesh.seq, protocol.pack(bundle)))
         self.bundles += 1
 
 
 def group(held: list[tuple[int, Packed, bytes]]) -> tuple[tuple[tuple[int, ...], Packed, bytes], ...]:
-    """`held` as a bundle's items: equal (message, body) pairs once, with their ranks in the order they came. A
-    rank joins an earlier item only if that item comes after the last one it joined (its own order is kept)."""
+    """`held` (rank, message, body) as a bundle's items: `merge`, each rank's order kept."""
+    return merge((rank, (rank,), msg, body) for rank, msg, body in held)
+
+
+def merge(
+    held: Iterable[tuple[int, Sequence[int], Packed, bytes]],
+) -> tuple[tuple[tuple[int, ...], Packed, bytes], ...]:
+    """`held` (who, ranks, message, body) as a bundle's items: equal (message, body) pairs once, with their ranks
+    in the order they came. `who` is whose order is kept: a rank (a host's bundle), or a host (a rack's, whose
+    items each hold some of that host's ranks, in that host's order). Its items join an earlier item only if that
+    item comes after the last one they joined."""
     groups: list[tuple[list[int], Packed, bytes]] = []
     latest: dict[tuple[Any, bytes], int] = {}
     last: dict[int, int] = {}
     bodies: dict[bytes, bytes] = {}
-    for rank, msg, body in held:
+    for who, ranks, msg, body in held:
         body = bodies.setdefault(body, body)  # (one object per distinct body: pickled once, then referenced)
         key: tuple[Any, bytes] = (msg, body)
         try:
@@ -199,9 +235,9 @@ def group(held: list[tuple[int, Packed, bytes]]) -> tuple[tuple[tuple[int, ...],
         except TypeError:  # (a message holding a list, as `Stacks` does: compared by its pickle)
             key = (pickle.dumps(msg), body)
             i = latest.get(key)
-        if i is None or i <= last.get(rank, -1):
+        if i is None or i <= last.get(who, -1):
             i = latest[key] = len(groups)
             groups.append(([], msg, body))
-        groups[i][0].append(rank)
-        last[rank] = i
+        groups[i][0].extend(ranks)
+        last[who] = i
     return tuple((tuple(ranks), msg, body) for ranks, msg, body in groups)

@@ -274,6 +274,8 @@ def _agent_class() -> type:
         def _detach(self) -> None:
             for mesh_id in list(self.meshes):
                 self._end(mesh_id)
+            if self.rack is not None:
+                self.rack.stop_leading()
             self.attached, self.attached_fd, self.controller = None, -1, ""
 
     return SyntheticAgent
@@ -300,6 +302,21 @@ def main() -> None:
     signal.signal(signal.SIGTERM, stop)
     agent.register()
     agent.serve()
+
+
+class Came:
+    """Bundles (and their items) the controller took during a `with` block."""
+
+    def __enter__(self) -> Came:
+        from monarch.runtime.controller import get_controller
+
+        self.transport = get_controller().backend.transport
+        self.start = (self.transport.bundles, self.transport.bundled)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bundles = self.transport.bundles - self.start[0]
+        self.items = self.transport.bundled - self.start[1]
 
 
 # -- the controller side: a job of synthetic hosts ---------------------------------------------------------

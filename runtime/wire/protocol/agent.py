@@ -123,3 +123,33 @@ class Bundle:
 
     items: tuple[tuple[tuple[int, ...], Any, bytes], ...]
     """On the wire each message is packed; as received, the controller's end unpacked each."""
+    now: bool = False
+    """It ends this host's part of a call on some of the mesh's ranks: a rack's leader passes it on at once
+    instead of waiting for its other hosts' (`agent/rack.py`). (An agent of a version before sends no such field.)"""
+
+
+@message(59)
+class Lead:
+    """Controller -> agent: lead a rack (`agent/rack.py`): take the replies of `members` and give them their commands
+    (host index -> its relay's "reply" and "cmd" addresses; this host among them); `Leading` answers."""
+
+    members: dict[int, dict[str, str]]
+
+
+@message(60)
+class Leading:
+    """Agent -> controller: the answer to `Lead`, once the leader's connections to its members are made: where the
+    rack's commands go in and its replies come out ("cmd", "reply"), and the members it could not reach."""
+
+    endpoints: dict[str, str]
+    missing: list[str]
+
+
+@message(61)
+class RackMesh:
+    """Controller -> a rack's leader: mesh `mesh_id` (signed with `key`) runs `ranks` on these hosts of the rack
+    (host index -> its ranks): their bundles are checked and merged. An empty `ranks`: the mesh is gone."""
+
+    mesh_id: int
+    key: bytes
+    ranks: dict[int, tuple[int, ...]]
