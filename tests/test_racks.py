@@ -36,15 +36,20 @@ def job(tmp_path_factory):
     assert not any(pid_alive(p) for p in j.pids)
 
 
-@pytest.fixture(scope="module")
-def mesh(job):
+def racked(job):
+    """A mesh of 16 ranks on each host of `job`, attached with racks of 4."""
     local = get_controller().backend
     settings = local.settings
     local.settings = dataclasses.replace(settings, rack_above=0, rack_size=RACK)  # (read as the job attaches)
     try:
-        m = monarch.notebook.job(job.name).spawn_procs({"gpu": PER_HOST})
+        return monarch.notebook.job(job.name).spawn_procs({"gpu": PER_HOST})
     finally:
         local.settings = settings
+
+
+@pytest.fixture(scope="module")
+def mesh(job):
+    m = racked(job)
     yield m
     m.exit()
 
@@ -107,11 +112,14 @@ def test_actors_answer_through_the_racks(mesh):
     counters.stop().get()
 
 
-def test_a_lost_leader_is_named_for_its_racks_hosts_and_the_other_rack_answers(mesh, job):
-    counters = mesh.spawn("survivors", Counter)  # (a mesh with actors goes on without lost ranks)
+def test_a_job_attached_again_is_racked_again_and_a_lost_leader_is_named_for_its_racks_hosts(mesh, job):
+    get_controller().detach(job.name)  # (its meshes stop; each leader lets its members go, as for a new kernel)
+    again = racked(job)
+    assert noop.on(again)().values() == [None] * RANKS
+    counters = again.spawn("survivors", Counter)  # (a mesh with actors goes on without lost ranks)
     assert counters.incr.call().get().values() == [1] * RANKS
     job.procs[4].kill()  # the second rack's leader
-    backend = get_controller().jobs["racks"]
+    backend = get_controller().jobs[job.name]
     wait_for(lambda: backend.hosts[4].lost, 30, what="the leader's host taken as lost")
     with pytest.raises(monarch.RemoteError) as e:
         counters.incr.call().get()
@@ -123,3 +131,4 @@ def test_a_lost_leader_is_named_for_its_racks_hosts_and_the_other_rack_answers(m
     first = counters.slice(host=slice(0, 4)).incr.call().get().values()  # the other rack answers
     assert len(first) == 4 * PER_HOST and len(set(first)) == 1 and first[0] >= 2, first
     assert [h.leader for h in backend.hosts][5:] == [-1, -1, -1]  # the rest of its rack: direct from now on
+    again.exit()
