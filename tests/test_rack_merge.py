@@ -1,4 +1,4 @@
-"""A rack leader's merger (`runtime/agent/rack.py`), message by message: its hosts' bundles merged into one, each
+"""A rack leader's merger (`runtime/wire/rack_merge.py`), message by message: its hosts' bundles merged into one, each
 rank's order kept; a forged, replayed or misplaced bundle refused; what it does not merge passed on as it came,
 after what it held."""
 
@@ -9,9 +9,8 @@ import os
 import pytest
 import zmq
 
-from monarch.runtime.agent.rack import RackLeader
 from monarch.runtime.wire import codec, fanin, protocol
-from monarch.runtime.wire.keys import AgentCurve
+from monarch.runtime.wire.rack_merge import RackMerge
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,7 +42,7 @@ class Up:
     def __init__(self) -> None:
         self.sent: list[list[bytes]] = []
 
-    def send_multipart(self, frames, copy: bool = True) -> None:
+    def __call__(self, frames) -> None:
         self.sent.append([bytes(f.buffer) if hasattr(f, "buffer") else bytes(f) for f in frames])
 
     def take(self) -> list[codec.Envelope]:
@@ -53,16 +52,11 @@ class Up:
 
 @pytest.fixture
 def leader():
-    ctx = zmq.Context()
     logged: list[str] = []
-    rack = RackLeader(ctx, "127.0.0.1", AgentCurve.new(), 3, lambda what, why: logged.append(why), 60.0, 6.0, print)
-    up, rack.up = rack.up, Up()  # (a wait of a minute: nothing goes up on a timer during a test)
-    rack.logged = logged
-    rack.set_mesh(MESH, KEY, {3: (0, 1), 4: (2, 3)})
-    yield rack
-    rack.up = up
-    rack.close()
-    ctx.term()
+    merger = RackMerge(3, Up(), lambda what, why: logged.append(why), 60.0)  # (no timer runs here)
+    merger.up, merger.logged = merger.send, logged
+    merger.set_mesh(MESH, KEY, {3: (0, 1), 4: (2, 3)})
+    return merger
 
 
 def bundle(host: int, seq: int, items, now: bool = False, key: bytes = KEY) -> list[zmq.Frame]:

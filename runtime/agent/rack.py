@@ -4,10 +4,9 @@ Beyond a few hundred hosts the controller's cost grows with the connections it r
 each host's bundle a read and a CURVE decryption, and a Python receive follows): 512 hosts of 8 ranks cost it 45 ms
 of CPU a no-op call. Racked (`Settings.rack_above`), each host's relay sends up to its rack's leader instead: the
 leader's socket connects to every member's reply address (its own host's too), so each host's messages still
-travel one connection, in the order they were sent. The leader checks each member's bundle (the mesh's key, the
-member's sequence number, ranks of that member only), merges a mesh's bundles from its members (equal items once,
-each rank's order kept) and signs the merge with the mesh's key as this rack (`fanin.rack_sender`), on one
-connection to the controller: 512 hosts, 32 messages a call.
+travel one connection, in the order they were sent. The leader checks each member's bundle, merges a mesh's bundles from
+its members and signs the merge as this rack (`wire/rack_merge.py`), on one connection to the controller: 512 hosts,
+32 messages a call.
 
 Commands come down the same way: the controller's command socket connects to the leader's (an XSUB, as a host's
 relay has), whose XPUB connects to every member's relay, so that the controller encrypts and writes each command
@@ -16,11 +15,7 @@ subscriptions come up through it (a topic once a rack; taken back when no member
 start-up messages after them, in the order each host sent them. The leader says it leads (`Leading`) only once its
 connections to its members are made: a start-up message sent up before would be lost.
 
-A merge goes up when every member host of the mesh sent a bundle since it began (a call on the whole mesh: each
-host's bundle ends its part of the call), as soon as a host's bundle ends its part of a call on some of the mesh's
-ranks (`Bundle.now`: which of the rack's hosts such a call reaches is not known here), when it is `wait` seconds
-old, and before anything that is not merged: a worker's own message (input requests, displays, anything large), or a mesh the
-leader was not told of (`RackMesh`), passes as it came, after what its mesh's hosts sent before it.
+What it merges and when a merge goes up: `wire/rack_merge.py` (`RackMerge`, used by this leader's thread).
 """
 
 from __future__ import annotations
@@ -31,36 +26,18 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 import zmq.utils.monitor
 
-from monarch.runtime.wire import codec, protocol
-from monarch.runtime.wire.fanin import AGENTS, HOLD_MAX, Packed, merge, rack_sender
 from monarch.runtime.wire.keys import TOPIC, UPSTREAM, AgentCurve
 from monarch.runtime.wire.links import heartbeat
+from monarch.runtime.wire.rack_merge import RackMerge
 
 _NOBLOCK = int(zmq.NOBLOCK)
 CONNECT_TIMEOUT = 10.0
 """Seconds a leader waits for its connections to its members before it says it leads (naming those missing)."""
-_BUNDLE = protocol.Bundle._tag
-
-
-@dataclass
-class _Mesh:
-    key: bytes
-    ranks: dict[int, frozenset[int]]
-    """Member host index -> its ranks of the mesh."""
-    seen: dict[int, int] = field(default_factory=dict)
-    """Member host index -> the sequence number of its last bundle."""
-    seq: int = 0
-    held: list[tuple[int, tuple[tuple[int, ...], Packed, bytes]]] = field(default_factory=list)
-    """(member, item) waiting to go up, in the order they came."""
-    sent: set[int] = field(default_factory=set)
-    """Members whose bundles are in `held`."""
-    since: float = 0.0
 
 
 class RackLeader:
@@ -72,15 +49,10 @@ class RackLeader:
         wait: float, heartbeat_timeout: float, led: Callable[[dict[str, str], list[str]], None],
     ) -> None:  # fmt: skip
         self.index = index
-        self.sender = rack_sender(index)
         self.log = log
         self.led = led
         """Called (from the thread) once the members asked for are connected, with where the rack's commands go in
         and its replies come out, and the members that did not connect in time."""
-        self.wait = max(wait, 0.0005)
-        self.meshes: dict[int, _Mesh] = {}
-        self.merges = 0
-        """Merged bundles sent (for tests)."""
 
         def socket(kind: int, server: bool) -> zmq.Socket:
             sock = ctx.socket(kind)
@@ -106,6 +78,8 @@ class RackLeader:
         self.handshakes = self.cmd_out.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.up.bind(f"tcp://{bind_addr}:0")
         self.cmd_in.bind(f"tcp://{bind_addr}:0")
+        self.merge = RackMerge(index, self._send_up, log, wait)
+        """Checks and merges the members' bundles (`wire/rack_merge.py`)."""
         self.endpoints = {
             "reply": self.up.getsockopt_string(zmq.LAST_ENDPOINT),
             "cmd": self.cmd_in.getsockopt_string(zmq.LAST_ENDPOINT),
@@ -139,15 +113,15 @@ class RackLeader:
     def stop_leading(self) -> None:
         """The controller is gone: its meshes' merges are dropped and the members let go (the next may rack
         the hosts otherwise)."""
-        self.meshes.clear()
+        self.merge.clear()
         self.lead({})
 
     def set_mesh(self, mesh_id: int, key: bytes, ranks: dict[int, tuple[int, ...]]) -> None:
-        """Merge mesh `mesh_id`'s bundles from these members (no ranks: the mesh is gone). One dict operation."""
-        if ranks:
-            self.meshes[mesh_id] = _Mesh(key, {m: frozenset(r) for m, r in ranks.items()})
-        else:
-            self.meshes.pop(mesh_id, None)
+        """Merge mesh `mesh_id`'s bundles from these members (no ranks: the mesh is gone)."""
+        self.merge.set_mesh(mesh_id, key, ranks)
+
+    def _send_up(self, frames: Any) -> None:
+        self.up.send_multipart(frames, copy=False)
 
     def close(self) -> None:
         self._stop = True
@@ -168,7 +142,7 @@ class RackLeader:
             poller.register(sock, zmq.POLLIN)
         while not self._stop:
             try:
-                due = self._due()
+                due = self.merge.due()
                 if self._waiting:
                     due = self._deadline if due is None else min(due, self._deadline)
                 timeout = None if due is None else max(0.0, due - time.monotonic()) * 1000
@@ -190,11 +164,9 @@ class RackLeader:
                             frames = self.down.recv_multipart(_NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self.take(frames)
+                        self.merge.take(frames)
                 now = time.monotonic()
-                for mesh_id, mesh in list(self.meshes.items()):
-                    if mesh.held and now >= mesh.since + self.wait:
-                        self.flush(mesh_id)
+                self.merge.flush_due(now)
                 if self._deadline and (not self._waiting or now >= self._deadline):
                     self._deadline = 0.0
                     slow, self._waiting = sorted(self._waiting), set()
@@ -266,58 +238,3 @@ class RackLeader:
                         self._subscribed[topic] = count - 1
             elif bytes(first[1:2]) == UPSTREAM and kind in (b"\x01", b"\x00") and len(first) > 1 + TOPIC:
                 self.cmd_in.send(first)  # a worker's start-up message, or its taking it back
-
-    def _due(self) -> float | None:
-        times = [m.since for m in list(self.meshes.values()) if m.held]
-        return min(times) + self.wait if times else None
-
-    def take(self, frames: list[Any]) -> None:
-        """One message from a member's relay: a bundle of a mesh this rack merges is held; anything else goes up as
-        it came, after what its mesh's hosts sent before it."""
-        first = frames[0].buffer
-        if len(first) < codec.FIXED:
-            self.up.send_multipart(frames, copy=False)  # (the controller says what is wrong with it)
-            return
-        mesh_id, rank = codec.sender(first)
-        mesh = self.meshes.get(mesh_id)
-        member = AGENTS - rank
-        if mesh is None or len(frames) != 1 or rank > AGENTS or member not in mesh.ranks:
-            self.flush(mesh_id)
-            self.up.send_multipart(frames, copy=False)
-            return
-        try:
-            env = codec.decode(mesh.key, [first])
-        except Exception as e:
-            self.log("a host's bundle", f"host {member}'s failed its checks: {type(e).__name__}: {e}")
-            return
-        if env.seq <= mesh.seen.get(member, 0):
-            self.log("a replayed message", f"host {member} already sent bundle number {env.seq}")
-            return
-        bundle = env.message
-        if type(bundle) is not tuple or len(bundle) != 3 or bundle[0] != _BUNDLE or type(bundle[1]) is not tuple:
-            self.log("a host's bundle", f"host {member} sent something else under its bundles' name")
-            return
-        mine = mesh.ranks[member]
-        for item in bundle[1]:
-            if type(item) is not tuple or len(item) != 3 or not mine.issuperset(item[0]):
-                self.log("a host's bundle", f"host {member} bundled messages of ranks it does not run")
-                return
-        mesh.seen[member] = env.seq
-        if not mesh.held:
-            mesh.since = time.monotonic()
-        mesh.held.extend((member, item) for item in bundle[1])
-        mesh.sent.add(member)
-        if bundle[2] or len(mesh.sent) == len(mesh.ranks) or len(mesh.held) >= HOLD_MAX:
-            self.flush(mesh_id)
-
-    def flush(self, mesh_id: int) -> None:
-        """Send up, as one bundle of this rack (`fanin.merge`), what `mesh_id`'s hosts sent that is held."""
-        mesh = self.meshes.get(mesh_id)
-        if mesh is None or not mesh.held:
-            return
-        held, mesh.held = mesh.held, []
-        mesh.sent.clear()
-        mesh.seq += 1
-        bundle = (_BUNDLE, merge((member, *item) for member, item in held), False)
-        self.up.send_multipart(codec.encode(mesh.key, mesh_id, self.sender, mesh.seq, bundle), copy=False)
-        self.merges += 1

@@ -83,7 +83,28 @@ class _Mesh:
     """Of `expect`, the calls on some of the mesh's ranks only (their bundle says so: `Bundle.now`)."""
 
 
-class FanIn:
+class Holding:
+    """What holds messages per mesh for at most `wait` seconds (`FanIn`, a rack's `RackMerge`): when the oldest must
+    go. Its meshes have `held` and `since`; `flush(mesh_id)` sends what a mesh holds."""
+
+    meshes: dict[int, Any]
+    wait: float
+
+    def flush(self, mesh_id: int) -> None:
+        raise NotImplementedError
+
+    def due(self) -> float | None:
+        """`time.monotonic()` by which the oldest held message must go up (None: nothing is held)."""
+        times = [m.since for m in list(self.meshes.values()) if m.held]
+        return min(times) + self.wait if times else None
+
+    def flush_due(self, now: float) -> None:
+        for mesh_id, mesh in list(self.meshes.items()):
+            if mesh.held and now >= mesh.since + self.wait:
+                self.flush(mesh_id)
+
+
+class FanIn(Holding):
     """The agent's bundler: `take` each worker message, `due` when the oldest held one must go. Used by one
     thread (the relay's replies thread), except `add_mesh`, `remove_mesh` and `saw_command`, whose changes are
     single dict operations."""
@@ -188,16 +209,6 @@ class FanIn:
         if len(first) >= codec.FIXED:
             self.flush(codec.sender(first)[0])
         self.send(frames)
-
-    def due(self) -> float | None:
-        """`time.monotonic()` by which the oldest held message must go up (None: nothing is held)."""
-        times = [m.since for m in list(self.meshes.values()) if m.held]
-        return min(times) + self.wait if times else None
-
-    def flush_due(self, now: float) -> None:
-        for mesh_id, mesh in list(self.meshes.items()):
-            if mesh.held and now >= mesh.since + self.wait:
-                self.flush(mesh_id)
 
     def flush(self, mesh_id: int, now: bool = False) -> None:
         """Send up what `mesh_id`'s ranks sent that is held, as one bundle (`now`: `Bundle.now`)."""
