@@ -98,6 +98,9 @@ class RackLeader:
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         self._stop = False
+        self._leading = False
+        """Whether a controller has this rack (its replies wait for its connection; after it went, they are dropped)."""
+        self.up.setsockopt(zmq.SNDTIMEO, 1000)
         self._thread = threading.Thread(target=self._serve, name="monarch-rack", daemon=True)
         self._thread.start()
 
@@ -108,6 +111,7 @@ class RackLeader:
         with self._lock:
             self._want = {m["reply"]: m for m in members.values()}
             self._wanted = True
+            self._leading = bool(members)
         os.write(self._wake_w, b"c")
 
     def stop_leading(self) -> None:
@@ -121,7 +125,16 @@ class RackLeader:
         self.merge.set_mesh(mesh_id, key, ranks)
 
     def _send_up(self, frames: Any) -> None:
-        self.up.send_multipart(frames, copy=False)
+        """Up to the controller, once its connection is there (it connects as the leader says it leads); dropped
+        when no controller has the rack any more (what its workers sent as they were killed), so that the thread
+        is free for the next one's `Lead`."""
+        while True:
+            try:
+                self.up.send_multipart(frames, copy=False)
+                return
+            except zmq.Again:  # (no connection for a second)
+                if not self._leading or self._stop:
+                    return
 
     def close(self) -> None:
         self._stop = True
