@@ -105,3 +105,11 @@ def test_what_is_not_merged_passes_as_it_came_after_what_was_held(leader):
     leader.take(bundle(3, 2, [((0, 1), REPLY, NONE)]))  # its mesh is gone: as it came
     (env,) = leader.up.take()
     assert env.rank == fanin.agent_sender(3)
+
+
+def test_a_bundle_of_an_agent_of_a_version_before_is_merged_too(leader):
+    before = protocol.pack(protocol.Bundle((((0, 1), REPLY, NONE),)))[:2]  # (no `now` field)
+    leader.take([zmq.Frame(bytes(f)) for f in codec.encode(KEY, MESH, fanin.agent_sender(3), 1, before)])
+    leader.take(bundle(4, 1, [((2, 3), REPLY, NONE)]))
+    (env,) = leader.up.take()
+    assert protocol.unpack(env.message).items == (((0, 1, 2, 3), REPLY, NONE),) and leader.logged == []

@@ -20,6 +20,7 @@ What it merges and when a merge goes up: `wire/rack_merge.py` (`RackMerge`, used
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import threading
@@ -99,8 +100,11 @@ class RackLeader:
         self._wake_r, self._wake_w = os.pipe()
         self._stop = False
         self._leading = False
-        """Whether a controller has this rack (its replies wait for its connection; after it went, they are dropped)."""
-        self.up.setsockopt(zmq.SNDTIMEO, 1000)
+        """Whether a controller has this rack: its replies wait for its connection (`_backlog`); else they are
+        dropped (what its workers sent as they were killed)."""
+        self._backlog: collections.deque[Any] = collections.deque()
+        """Messages up that the controller's connection did not take yet (it connects as the leader says it leads),
+        in order; the thread sends them when `up` can take them, never blocking."""
         self._thread = threading.Thread(target=self._serve, name="monarch-rack", daemon=True)
         self._thread.start()
 
@@ -125,16 +129,28 @@ class RackLeader:
         self.merge.set_mesh(mesh_id, key, ranks)
 
     def _send_up(self, frames: Any) -> None:
-        """Up to the controller, once its connection is there (it connects as the leader says it leads); dropped
-        when no controller has the rack any more (what its workers sent as they were killed), so that the thread
-        is free for the next one's `Lead`."""
-        while True:
+        """Up to the controller, after what waits for its connection; dropped when no controller has the rack."""
+        if not self._leading:
+            self._backlog.clear()
+            return
+        if not self._backlog:
             try:
-                self.up.send_multipart(frames, copy=False)
+                self.up.send_multipart(frames, _NOBLOCK, copy=False)
                 return
-            except zmq.Again:  # (no connection for a second)
-                if not self._leading or self._stop:
-                    return
+            except zmq.Again:
+                pass
+        self._backlog.append(frames)
+
+    def _send_backlog(self) -> None:
+        backlog = self._backlog
+        while backlog and self._leading:
+            try:
+                self.up.send_multipart(backlog[0], _NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            backlog.popleft()
+        if not self._leading:
+            backlog.clear()
 
     def close(self) -> None:
         self._stop = True
@@ -159,10 +175,15 @@ class RackLeader:
                 if self._waiting:
                     due = self._deadline if due is None else min(due, self._deadline)
                 timeout = None if due is None else max(0.0, due - time.monotonic()) * 1000
+                if not self._leading:
+                    self._backlog.clear()
+                poller.register(self.up, zmq.POLLOUT if self._backlog else 0)  # (0: not watched)
                 ready = dict(poller.poll(timeout))
                 if self._wake_r in ready:
                     os.read(self._wake_r, 4096)
                     self._connect()
+                if self.up in ready:
+                    self._send_backlog()
                 if self.handshakes in ready:
                     while self.handshakes.poll(0):
                         event = zmq.utils.monitor.recv_monitor_message(self.handshakes)
@@ -210,7 +231,8 @@ class RackLeader:
             self.down.connect(m["reply"])
             self.cmd_out.connect(m["cmd"])
             self.members[m["reply"]] = m
-        self._waiting = {m["cmd"] for m in fresh}
+        wanted = {m["cmd"] for m in want.values()}
+        self._waiting = {m["cmd"] for m in fresh} | (self._waiting & wanted)  # (and those still unanswered)
         self._deadline = time.monotonic() + CONNECT_TIMEOUT if want else 0.0
 
     def _commands(self) -> None:

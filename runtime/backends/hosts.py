@@ -40,6 +40,9 @@ _FORWARDED_ENV = ("MONARCH_LOG",)
 """The controller's variables its workers on other hosts get too (the agents' own environment is theirs)."""
 ATTACH_TIMEOUT = 10.0
 """Seconds an agent gets to answer a controller that attaches."""
+LEAD_TIMEOUT = 20.0
+"""Seconds a rack's leader gets to say it leads: longer than it waits for its members' connections (10 s, naming
+those it could not reach)."""
 
 
 @dataclass
@@ -172,7 +175,7 @@ class HostsBackend(Backend):
                             )
                         host.info = msg
             if len(self.hosts) > max(1, self.settings.rack_above):
-                self._rack(deadline)
+                self._rack(time.monotonic() + LEAD_TIMEOUT)
             for host in self.hosts:
                 racked = host.leader >= 0
                 host.connected = (
@@ -211,7 +214,7 @@ class HostsBackend(Backend):
                 if left <= 0 or not host.sock.poll(max(1, int(left * 1000))):
                     raise ConnectionError(
                         f"job {self.job.name}: the agent on {host.name} did not take the lead of its rack within "
-                        f"{ATTACH_TIMEOUT:.0f} s (an agent of an older version? MONARCH_RACK_ABOVE=0 racks no job)"
+                        f"{LEAD_TIMEOUT:.0f} s (an agent of an older version? MONARCH_RACK_ABOVE=0 racks no job)"
                     )
                 msg = self._recv(first)
                 if type(msg) is not protocol.Leading:
@@ -329,6 +332,8 @@ class HostsBackend(Backend):
             why = ended
         host.lost = why
         members = [m for m, h in enumerate(self.hosts) if h.leader == i and m != i and not h.lost and not ended]
+        if members and host.leading:  # (its agent may live on behind a silent link: two paths would reorder)
+            self.transport.disconnect_agent(host.leading)
         for m in members:  # its rack's other hosts: their commands and replies go directly from now on
             member = self.hosts[m]
             member.leader = -1

@@ -148,7 +148,9 @@ class FanIn(Holding):
         here = mesh.ranks.intersection(call.ranks)
         if here:
             if len(mesh.expect) >= EXPECT_MAX:
-                mesh.views.discard(mesh.expect.pop(next(iter(mesh.expect))))
+                oldest = next(iter(mesh.expect))
+                del mesh.expect[oldest]
+                mesh.views.discard(oldest)
             mesh.expect[call.call_id] = len(here)
             if len(call.ranks) != mesh.size:
                 mesh.views.add(call.call_id)

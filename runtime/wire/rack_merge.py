@@ -89,7 +89,12 @@ class RackMerge(Holding):
             self.log("a replayed message", f"host {member} already sent bundle number {env.seq}")
             return
         bundle = env.message
-        if type(bundle) is not tuple or len(bundle) != 3 or bundle[0] != _BUNDLE or type(bundle[1]) is not tuple:
+        if (
+            type(bundle) is not tuple
+            or len(bundle) not in (2, 3)
+            or bundle[0] != _BUNDLE
+            or type(bundle[1]) is not tuple
+        ):
             self.log("a host's bundle", f"host {member} sent something else under its bundles' name")
             return
         mine = mesh.ranks[member]
@@ -102,7 +107,8 @@ class RackMerge(Holding):
             mesh.since = time.monotonic()
         mesh.held.extend((member, item) for item in bundle[1])
         mesh.sent.add(member)
-        if bundle[2] or len(mesh.sent) == len(mesh.ranks) or len(mesh.held) >= HOLD_MAX:
+        now = len(bundle) == 3 and bundle[2]  # (an agent of a version before sends no `now`)
+        if now or len(mesh.sent) == len(mesh.ranks) or len(mesh.held) >= HOLD_MAX:
             self.flush(mesh_id)
 
     def flush(self, mesh_id: int) -> None:
