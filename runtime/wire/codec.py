@@ -316,7 +316,9 @@ def encode(
 
 
 def _view(f: zmq.Frame | bytes | memoryview) -> memoryview:
-    return f.buffer if hasattr(f, "buffer") else memoryview(f)  # a zmq.Frame, or bytes
+    if type(f) is bytes:  # (a lane's frames; `hasattr` on bytes raises inside, several µs in a woken worker)
+        return memoryview(f)
+    return f.buffer if hasattr(f, "buffer") else memoryview(f)  # a zmq.Frame, or a memoryview
 
 
 @overload
