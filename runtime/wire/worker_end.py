@@ -84,11 +84,12 @@ class WorkerTransport:
             else:
                 self.out.send_multipart(frames, copy=False)
 
-    def recv(self) -> codec.Envelope | None:
-        """The next command (blocks); None for one that failed its checks (logged)."""
+    def recv(self, readable: bool = False) -> codec.Envelope | None:
+        """The next command (blocks); None for one that failed its checks (logged). `readable`: a poller on
+        `cmd` has just said a command is there."""
         frames: list[Any]
         if self.lane is not None:
-            frames = self.lane.recv()  # type: ignore[assignment]
+            frames = self.lane.recv(readable)  # type: ignore[assignment]
             if frames is None:  # the controller closed our lane: it dropped this mesh, or it is gone
                 os._exit(1)
             if len(frames) == 1:

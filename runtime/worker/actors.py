@@ -498,6 +498,8 @@ class Mailbox:
         self.poller = zmq.Poller()
         self.poller.register(self.inbox.sock, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
+        self.idle_poller: zmq.Poller | None = None
+        """`poller` and the controller's commands: the idle wait's, made once (not registered for each)."""
         self._socks: dict[Any, Outbox] = {}
         self.worker.side_poll = self.serve_until_command
 
@@ -507,7 +509,9 @@ class Mailbox:
         if box is None:
             box = self.outboxes[to.addr] = Outbox(self.ctx, to, self.me)
             self._socks[box.sock] = box
-            self.poller.register(box.sock, zmq.POLLIN)
+            for poller in (self.poller, self.idle_poller):
+                if poller is not None:
+                    poller.register(box.sock, zmq.POLLIN)
         return box
 
     def post(self, fn: Callable[[], None]) -> None:
@@ -532,16 +536,19 @@ class Mailbox:
 
     def serve_until_command(self, cmd: zmq.Socket) -> None:
         """The worker's idle wait: serve the inbox until a command from the controller is ready."""
-        self.poller.register(cmd, zmq.POLLIN)
-        try:
-            while not self._step(cmd):
-                pass
-        finally:
-            self.poller.unregister(cmd)
+        poller = self.idle_poller
+        if poller is None:
+            poller = self.idle_poller = zmq.Poller()
+            for sock, flags in self.poller.sockets:
+                poller.register(sock, flags)
+            poller.register(cmd, zmq.POLLIN)
+        while not self._step(cmd, poller):
+            pass
 
-    def _step(self, cmd: zmq.Socket | None) -> bool:
-        """One wait and what it brought; whether `cmd` is ready."""
-        events = dict(self.poller.poll())
+    def _step(self, cmd: zmq.Socket | None, poller: zmq.Poller | None = None) -> bool:
+        """One wait (on `poller`; by default `self.poller`, without the commands) and what it brought; whether `cmd`
+        is ready."""
+        events = dict((poller or self.poller).poll())
         if self._wake_r in events:
             try:
                 os.read(self._wake_r, 4096)

@@ -189,7 +189,9 @@ class Worker:
                 try:
                     if self.side_poll is not None and not self.transport.ready():
                         self.side_poll(self.transport.cmd)
-                    env = self.transport.recv()
+                        env = self.transport.recv(readable=True)
+                    else:
+                        env = self.transport.recv()
                 except KeyboardInterrupt:
                     continue
                 if env is None:
