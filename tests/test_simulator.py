@@ -458,6 +458,39 @@ def test_on_a_cpu_a_batch_is_decoded_on_arrival_and_the_ops_after_a_reduce_pay_f
         assert took(ops, "aten::add_.Tensor") == [pytest.approx(1, abs=0.01)] * 2, (mode, ops)
 
 
+def test_on_a_cpu_a_reduce_after_compute_costs_what_calibration_found_a_step_s_reduces_cost():
+    """`reduce_in_step`: a CPU collective costs the extra interpolated at the compute each rank ran since its
+    last collective (none back to back), on every rank of its group; never on a GPU."""
+    from monarch.runtime.simulator import devices
+
+    points = [[2e-3, 1e-3], [10e-3, 3e-3]]
+
+    def reduces(kind: str, compute: int) -> list[float]:
+        base = devices.DEVICES["cpu" if kind == "cpu" else "h100"]
+        dev = dataclasses.replace(
+            base, op_overhead=1e-3, dispatch=1e-6, intra_latency=5e-3, reduce_in_step=points, flops={"default": 1e15}
+        )
+        sim = monarch.Simulator(hosts=1, gpus=2, device=dev)
+        with sim.mesh.activate():
+            g = torch.ones(4)
+            for _ in range(compute):
+                g.add_(1)  # (1 ms each: `op_overhead`)
+            g.reduce_("gpu", "sum")
+            g.reduce_("gpu", "sum")  # (back to back: nothing computed since the first)
+        monarch.inspect(g)
+        took = [1e3 * float(e.end[0] - e.start[0]) for e in sim._backend.workers.events if e.kind == "comm"]
+        sim.exit()
+        return took
+
+    # (`torch.ones` is an op too: 1 ms of compute before the first reduce, then `compute` more)
+    first, plain = reduces("cpu", 0)
+    assert first == pytest.approx(plain + 0.5)  # (1 ms: half of the first point's, from none at none)
+    assert reduces("cpu", 5) == [pytest.approx(plain + 2.0), pytest.approx(plain)]  # (6 ms: between the points)
+    assert reduces("cpu", 19) == [pytest.approx(plain + 3.0), pytest.approx(plain)]  # (20 ms: the last point's)
+    first, plain = reduces("gpu", 5)
+    assert first == pytest.approx(plain)
+
+
 def _beside_the_controller(wait, load: float) -> tuple[float, float, float]:
     """A 40 ms reduce on 2 CPU workers of a made-up profile, sent just before the controller spends ~30 ms
     in `wait`: (how long the reduce took, how long the controller's clock moved meanwhile, in ms; the share of
@@ -540,6 +573,11 @@ def test_calibration_measures_this_machine_and_the_simulator_uses_it(tmp_path, m
         for key in ("compute", "comm"):
             assert saved[f"{key}_contention"] == statistics.median(r[f"contention_{key}"] for r in per_rank), key
         assert saved["reduce_floor"] == saved["measured"]["collectives"][0]["1"] > 0  # gloo, one element
+        # a reduce after compute, at each compute calibrated (ascending, extras clamped at 0)
+        points = saved["reduce_in_step"]
+        print("reduce in step (ms):", [[round(1e3 * c, 3), round(1e3 * x, 3)] for c, x in points])
+        assert len(points) == 3 and [c for c, _ in points] == sorted(c for c, _ in points)
+        assert all(c > 0 and x >= 0 for c, x in points)
         print("controller load:", saved["controller_load"])
     # the engine's own cost per reduce (over one rank), and each op of the sample step beyond a tiny add_
     # (measured less the round trip, clamped at 0: on a loaded machine a quick calibration can read 0)
@@ -587,6 +625,8 @@ def test_two_calibrations_in_a_row_agree_within_the_spread_each_reports(tmp_path
             return p.flops["float32"]
         if key == "op_extra":
             return sum(p.op_extra.values())
+        if key == "reduce_in_step":
+            return sum(x for _, x in p.reduce_in_step)
         return statistics.median(p.measured["steps"]) if key == "step" else getattr(p, key)
 
     keys = (*STEERING, "step")
@@ -597,7 +637,7 @@ def test_two_calibrations_in_a_row_agree_within_the_spread_each_reports(tmp_path
         for k in keys:  # the spread is each figure's range across the passes over its median
             r = p.measured["range"][k]
             assert (r == 0) == (p.spread[k] == 0), k
-            if k != "op_extra" and value(p, k):  # (op_extra's: the passes' sums, over their median sum)
+            if k not in ("op_extra", "reduce_in_step") and value(p, k):  # (these: the passes' sums, over their median)
                 assert p.spread[k] == pytest.approx(r / abs(value(p, k))), k
     apart = {k: (value(a, k), value(b, k), a.measured["range"][k] + b.measured["range"][k]) for k in keys}
     print({k: f"{x:.3g} vs {y:.3g} (within {w:.2g})" for k, (x, y, w) in apart.items()})

@@ -145,6 +145,7 @@ def _one_pass(mesh, n: int, gpus: int, quick: bool) -> DeviceProfile:
     shared_cores = n > 1 and not gpus  # (CPU workers: compute, reduces and threads contend; gloo's ring)
     comm = [_engine_reduces(mesh, rtt, quick, one_element=shared_cores)] if n > 1 else []
     handoff = _handoff(mesh, quick) if shared_cores else 0.0
+    in_step = _reduce_in_step(mesh, rtt, quick) if shared_cores else []
     slowdown = 1.0 if gpus else _controller_slowdown(mesh, quick)
     load = _controller_load(mesh, rtt, quick) if shared_cores else 1.0
     one_rank = _one_rank_reduce(mesh, rtt, quick)
@@ -197,6 +198,7 @@ def _one_pass(mesh, n: int, gpus: int, quick: bool) -> DeviceProfile:
         beside_reduce=beside_reduce,
         decode=decode,
         reduce_floor=statistics.median(c["1"] for c in comm) if shared_cores else 0.0,
+        reduce_in_step=in_step,
         op_extra=extra,
         reduce_overhead=reduce_overhead,
         memory=base.memory if gpus else 0,
@@ -232,6 +234,12 @@ def _combine(profiles: list[DeviceProfile], steps: list[float] | None = None) ->
     each["op_extra"] = [sum(p.op_extra.values()) for p in profiles]
     flops = statistics.median(p.flops["float32"] for p in profiles)
     values["flops"] = {"float32": flops, "default": flops}
+    if all(len(p.reduce_in_step) == len(first.reduce_in_step) for p in profiles) and first.reduce_in_step:
+        values["reduce_in_step"] = [
+            [statistics.median(p.reduce_in_step[i][j] for p in profiles) for j in (0, 1)]
+            for i in range(len(first.reduce_in_step))
+        ]
+        each["reduce_in_step"] = [sum(x for _, x in p.reduce_in_step) for p in profiles]
     each["flops"] = [p.flops["float32"] for p in profiles]
     measured = {k: v for k, v in first.measured.items() if k in ("workers", "cores")}
     if steps:
@@ -516,6 +524,52 @@ def _handoff(mesh, quick: bool) -> float:
         by = dict(took)
         extra.append((by[handed] - by[back_to_back]) / (k - 1))
     return max(statistics.median(extra), 0.0)
+
+
+IN_STEP_MATMULS = (1, 10, 30)
+"""`_reduce_in_step`'s compute between two collectives: this many 128x128 matmuls (on 4 workers sharing 2 cores
+about 0.1, 0.7 and 2 ms: a tiny model's gradient to a transformer block's)."""
+
+
+def _reduce_in_step(mesh, rtt: float, quick: bool) -> list[list[float]]:
+    """``[[compute, extra], ...]``: seconds a whole-mesh reduce of `SMALL` floats costs beyond its back-to-back
+    time when every worker computed for ``compute`` seconds before it, as a step's gradients come (compute and
+    a reduce, `k` times, against the same compute alone and the same reduces back to back, alternately; the
+    median of several runs: one run's figure is the difference of three timings)."""
+    import torch
+
+    from monarch.runtime.fetch import inspect
+
+    k, runs = (8, 3) if quick else (16, 7)
+    dim = mesh.names[0]
+    with mesh.activate():
+        a = torch.rand(128, 128)
+        t = torch.ones(SMALL)
+        t.reduce_(dim, "sum")  # (warm)
+    inspect(t)
+
+    def loop(matmuls: int, compute: bool, reduce: bool) -> float:
+        start = time.perf_counter()
+        with mesh.activate():
+            for _ in range(k):
+                if compute:
+                    for _ in range(matmuls):
+                        b = a @ a  # noqa: F841  (its result is dropped at once, as a step's activations go)
+                if reduce:
+                    t.reduce_(dim, "sum")
+        inspect(t)
+        return time.perf_counter() - start - rtt
+
+    out = []
+    for matmuls in IN_STEP_MATMULS:
+        compute, extra = [], []
+        for i in range(runs):
+            kinds = ((True, True), (False, True), (True, False))
+            took = {kind: loop(matmuls, *kind) for kind in (kinds if i % 2 else kinds[::-1])}
+            compute.append(took[True, False] / k)
+            extra.append((took[True, True] - took[True, False] - took[False, True]) / k)
+        out.append([statistics.median(compute), max(statistics.median(extra), 0.0)])
+    return sorted(out)
 
 
 def _controller_slowdown(mesh, quick: bool) -> float:

@@ -20,10 +20,10 @@ from monarch.runtime.common import config
 STEERING = (
     "op_overhead", "op_extra", "dispatch", "decode", "intra_latency", "reduce_floor", "reduce_overhead",
     "handoff", "after_reduce", "beside_reduce", "wire_latency", "fetch_latency", "controller_slowdown",
-    "controller_load", "compute_contention", "flops", "mem_bw",
+    "controller_load", "compute_contention", "flops", "mem_bw", "reduce_in_step",
 )  # fmt: skip
 """The figures a simulated step's time follows (`op_extra`: the sum over the sample step's ops; `flops`:
-float32's), whose spread across passes `calibrate()` keeps."""
+float32's; `reduce_in_step`: its extras' sum), whose spread across passes `calibrate()` keeps."""
 STALLED = 10.0
 """A `comm_contention` this high or higher: a collective beside compute made next to no progress (a worker's
 stream thread got no core while its main thread computed); the simulator then begins a side stream's command
@@ -107,6 +107,12 @@ class DeviceProfile:
     (the threads take turns on the cores and on Python's lock), per reduce: the first op on main after the
     reduce was issued pays it, unless main waited for the reduce's drop first (then `handoff` is what the
     wait cost); measured by `calibrate()`."""
+    reduce_in_step: list = field(default_factory=list)
+    """``[[compute, extra], ...]`` (seconds, compute ascending): what a collective of CPU workers costs beyond
+    its back-to-back time when each of its ranks computed for ``compute`` seconds since its last collective,
+    as a step's gradients do (workers sharing cores arrive in turns, and gather from sleep and cold caches:
+    the longer the compute, the more it costs); interpolated between the points, none after no compute;
+    measured by `calibrate()` (empty: none)."""
     decode: float = 0.0
     """Seconds per command a worker spends decoding a batch when it arrives, before running its first
     command (0: part of `dispatch`); measured by `calibrate()`."""

@@ -18,7 +18,8 @@ a real trace. On a CPU, compute on the main stream and a side stream's work that
 and slow each other down, by factors `calibrate()` measures (`SimWorkers._share`); where it found that a
 collective beside compute made no progress (`devices.STALLED`), a side stream's command that main's op
 found not begun begins when that op ends (`_postpone`: a woken stream thread got no core meanwhile), a
-collective's end moving on every rank of its group with its last arrival. Memory: a result that
+collective's end moving on every rank of its group with its last arrival; and a collective costs the
+calibrated `reduce_in_step` at the compute its ranks ran since their last one. Memory: a result that
 does not alias an input is an allocation (at its op's start; on a GPU when the command thread launches the
 op, as CUDA's caching allocator serves it on the host); a storage is freed when the last handle naming it
 is freed. While the controller computes (issuing commands, autograd), the workers of its host
@@ -136,6 +137,13 @@ class SimWorkers:
         """Per rank: what the ops after a reduce on the command thread still lose (`after_reduce`, CPU)."""
         self.steps: list[tuple[np.ndarray, np.ndarray]] = []
         """(ranks, when each had run all it was given) at each step's end (`sim.step()`, `prof.step()`)."""
+        self.since = np.zeros(size)
+        """Per rank: seconds of compute since its last collective (what `reduce_in_step` follows)."""
+        self.in_step = (
+            np.array([0.0, *(c for c, _ in dev.reduce_in_step)]),
+            np.array([0.0, *(x for _, x in dev.reduce_in_step)]),
+        ) if self.inline and dev.reduce_in_step else None  # fmt: skip
+        """`reduce_in_step`'s points, from none after no compute (CPU workers)."""
         self.starved = np.zeros(size)
         """Per rank: seconds in the window it had run everything it was given and waited for the controller
         to send more (idle because of the controller's own time, not the device's)."""
@@ -190,6 +198,8 @@ class SimWorkers:
             s[idx] = end
             if self.inline:
                 self._worked(sid)[idx] = end
+        if kind == "compute" and self.in_step is not None:
+            self.since[idx] += end - start
         self._record(Event(idx, sid, start, end, name, kind, where, flops, nb))
         return start
 
@@ -544,9 +554,12 @@ class SimWorkers:
             spans = hosts.min(axis=1) != hosts.max(axis=1)
             dur = np.where(spans, costs.collective_time(self.dev, kind, nb, p, True, elements),
                            costs.collective_time(self.dev, kind, nb, p, False, elements))  # fmt: skip
+            if self.in_step is not None and p > 1:  # (its ranks gather from their compute: see `reduce_in_step`)
+                dur = dur + np.interp(self.since[groups].max(axis=1), *self.in_step)
             end[groups] = (ready[groups].max(axis=1) + dur)[:, None]
             sync.append(groups)
         self._finish(idx, sid, end[idx])
+        self.since[idx] = 0.0
         if self.owed is not None:  # (what the main thread's next op loses: it waited, or it runs beside it)
             self.owed[idx] += self.dev.after_reduce if sid == 0 else self.dev.beside_reduce
         if not self.inline:  # on a GPU the engine reads the reduce's failure flag: its thread waits for the end
