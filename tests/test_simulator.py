@@ -576,7 +576,7 @@ def test_calibration_measures_this_machine_and_the_simulator_uses_it(tmp_path, m
         # a reduce after compute, at each compute calibrated (ascending, extras clamped at 0)
         points = saved["reduce_in_step"]
         print("reduce in step (ms):", [[round(1e3 * c, 3), round(1e3 * x, 3)] for c, x in points])
-        assert len(points) == 3 and [c for c, _ in points] == sorted(c for c, _ in points)
+        assert len(points) == 4 and [c for c, _ in points] == sorted(c for c, _ in points)
         assert all(c > 0 and x >= 0 for c, x in points)
         print("controller load:", saved["controller_load"])
     # the engine's own cost per reduce (over one rank), and each op of the sample step beyond a tiny add_

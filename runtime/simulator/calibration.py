@@ -526,9 +526,9 @@ def _handoff(mesh, quick: bool) -> float:
     return max(statistics.median(extra), 0.0)
 
 
-IN_STEP_MATMULS = (1, 10, 30)
+IN_STEP_MATMULS = (1, 10, 30, 100)
 """`_reduce_in_step`'s compute between two collectives: this many 128x128 matmuls (on 4 workers sharing 2 cores
-about 0.1, 0.7 and 2 ms: a tiny model's gradient to a transformer block's)."""
+about 0.1, 0.7, 2 and 7 ms: a tiny model's gradient to a transformer block's)."""
 
 
 def _reduce_in_step(mesh, rtt: float, quick: bool) -> list[list[float]]:
