@@ -142,6 +142,7 @@ class RackLeader:
         self._backlog.append(frames)
 
     def _send_backlog(self) -> None:
+        """What waits, as far as `up` takes it (the thread's loop drops it when no controller has the rack)."""
         backlog = self._backlog
         while backlog and self._leading:
             try:
@@ -149,8 +150,6 @@ class RackLeader:
             except zmq.Again:
                 return
             backlog.popleft()
-        if not self._leading:
-            backlog.clear()
 
     def close(self) -> None:
         self._stop = True
