@@ -21,7 +21,7 @@ from typing import Any
 from monarch.runtime.wire import codec, protocol
 from monarch.runtime.wire.fanin import AGENTS, HOLD_MAX, Holding, Packed, merge, rack_sender
 
-_BUNDLE = protocol.Bundle._tag
+_BUNDLE = next(tag for tag, cls in protocol.types().items() if cls is protocol.Bundle)  # (mypy knows no `_tag`)
 
 
 @dataclass
