@@ -73,8 +73,8 @@ class SimBackend(Backend):
         self.clock = 0.0
         """The controller's simulated time (seconds)."""
         self._mark = time.perf_counter()
-        self._cpu_mark = (threading.get_ident(), time.thread_time())
-        """The thread that sent last, and its CPU time then."""
+        self._cpu_mark = time.process_time()
+        """The process's CPU time when a message was last sent."""
         self.controller_spans: list[tuple[float, float, str]] = []
         self.warned = False
         self._seq = 0
@@ -101,16 +101,14 @@ class SimBackend(Backend):
         return self.clock + busy + (elapsed - busy / f)
 
     def _cpu_share(self, elapsed: float) -> float:
-        """The share of `elapsed` (since the last message) the sending thread computed: none while it slept
-        or waited on something else (all of it when another thread sent last)."""
-        thread, cpu = self._cpu_mark
-        if thread != threading.get_ident():
-            return 1.0
-        return min(1.0, (time.thread_time() - cpu) / elapsed)
+        """The share of `elapsed` (since the last message) the program computed, on any of its threads (the
+        one that sends may wait while another computes: `grad_generator` runs autograd on a thread of its
+        own); none while it slept."""
+        return min(1.0, (time.process_time() - self._cpu_mark) / elapsed)
 
     def _leave(self) -> None:
         self._mark = time.perf_counter()
-        self._cpu_mark = (threading.get_ident(), time.thread_time())
+        self._cpu_mark = time.process_time()
 
     def now(self) -> float:
         """The controller's simulated time now (its wall time since the last message included)."""
