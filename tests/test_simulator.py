@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -226,6 +227,25 @@ def test_memory_per_rank_counts_a_known_tensor_and_names_the_peak():
         small = torch.zeros(10)
     assert sim.summary().peak_bytes == [40, 40]  # the big one was freed before this window
     del small
+    # a tensor the program dropped in a reference cycle (an autograd graph's) is freed before the window too,
+    # not whenever Python's collector comes round to it, inside the window (where it would hide the peak)
+    cycle: list = []
+    with sim.mesh.activate():
+        cycle += [torch.zeros(1000), cycle]
+    base = sim._backend.workers.live.copy()
+    del cycle
+    gc.disable()
+    try:
+        sim.reset()
+        gc.collect()  # (the collector, once the window has begun)
+        with sim.mesh.activate():
+            small = torch.zeros(10)
+        summary = sim.summary()
+        del small
+    finally:
+        gc.enable()
+    assert list(sim._backend.workers.baseline) == list(base - 4000)
+    assert [p - b for p, b in zip(summary.peak_bytes, sim._backend.workers.baseline)] == [40, 40]
     sim.exit()
 
 
@@ -531,6 +551,12 @@ def _spin(seconds: float) -> None:
         pass
 
 
+def _on_another_thread(seconds: float) -> None:
+    t = threading.Thread(target=_spin, args=(seconds,))
+    t.start()
+    t.join()
+
+
 def _slowed(gap: float, share: float) -> float:
     """How long the 40 ms reduce takes (ms) at `controller_load` 2 beside `gap` ms of the controller's Python
     that computed for `share` of it: it progresses 1 + `share` times slower meanwhile."""
@@ -550,6 +576,10 @@ def test_on_a_cpu_the_controllers_python_slows_down_the_workers_of_its_host():
     # a controller that waits takes no core: it computed for far less than the one above (CPU time, not wall)
     slept, idle_gap, idle = _beside_the_controller(time.sleep, 2.0)
     assert slept == pytest.approx(_slowed(idle_gap, idle), abs=0.5) and idle * idle_gap < share * gap / 2
+    # the program's Python on another thread while the sending one waits for it (`grad_generator`'s autograd)
+    # takes the cores just as well: all of its CPU time counts
+    took, side_gap, side = _beside_the_controller(_on_another_thread, 2.0)
+    assert side * side_gap >= 29 and took == pytest.approx(_slowed(side_gap, side), abs=0.5)
     # GPU workers do not share the controller's cores
     from monarch.runtime.simulator import devices
 

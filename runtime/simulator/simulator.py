@@ -15,6 +15,7 @@ from a device's profile: datasheet rates for GPUs, or this machine measured by `
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from dataclasses import dataclass, field, replace
@@ -182,6 +183,10 @@ class Simulator:
         """Forget the timeline so far (tensors stay): the next `trace`/`summary` covers what runs from now."""
         from monarch.runtime.tensor.engine import flush
 
+        # What the program dropped before the window is freed before it: garbage in a reference cycle (an
+        # autograd graph's) would otherwise be freed whenever Python's collector came round, perhaps inside
+        # the window, where its memory hides the window's peak.
+        gc.collect()
         flush(self.mesh)
         b = self._backend
         with b.lock:
