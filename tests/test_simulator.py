@@ -478,6 +478,43 @@ def test_on_a_cpu_a_batch_is_decoded_on_arrival_and_the_ops_after_a_reduce_pay_f
         assert took(ops, "aten::add_.Tensor") == [pytest.approx(1, abs=0.01)] * 2, (mode, ops)
 
 
+def test_on_a_cpu_an_op_after_ops_that_moved_more_than_the_caches_hold_costs_what_calibration_found():
+    """`cold_ops`: an op costs the extra interpolated at the bytes its rank's last `COLD_WINDOW` ops moved in
+    all (none after views); never on a GPU. The window is as long as calibration's runs of small ops."""
+    from monarch.runtime.simulator import devices, model
+    from monarch.runtime.worker import calibration as worker_calibration
+
+    assert model.COLD_WINDOW == worker_calibration.SMALL_RUN
+    points = [[1e6, 1e-3], [4e6, 3e-3]]
+
+    def views(kind: str, elements: int) -> list[float]:
+        """Seconds each of COLD_WINDOW + 1 views takes after an add of `elements` floats (12 bytes each moved)."""
+        base = devices.DEVICES["cpu" if kind == "cpu" else "h100"]
+        dev = dataclasses.replace(
+            base, op_overhead=1e-3, dispatch=1e-6, cold_ops=points, flops={"default": 1e15}, mem_bw=1e15
+        )
+        sim = monarch.Simulator(hosts=1, gpus=2, device=dev)
+        with sim.mesh.activate():
+            a = torch.ones(elements)
+            for _ in range(model.COLD_WINDOW):  # (the ones out of the window)
+                a = a.view(-1)
+            b = a + a
+            for _ in range(model.COLD_WINDOW + 1):
+                b = b.view(-1)
+        monarch.inspect(b)
+        ops = [e for e in sim._backend.workers.events if e.name == "aten::view"]
+        sim.exit()
+        return [float(e.end[0] - e.start[0]) for e in ops[model.COLD_WINDOW :]]
+
+    # an add of n floats reads two and writes one: 12n bytes
+    assert views("cpu", 10) == pytest.approx([1e-3] * 6, abs=1e-6)  # (120 bytes: nothing to speak of)
+    after_1mb = views("cpu", 1_000_000 // 12)
+    assert after_1mb[:5] == pytest.approx([2e-3] * 5, abs=1e-5) and after_1mb[5] == pytest.approx(1e-3, abs=1e-6)
+    assert views("cpu", 2_500_000 // 12)[0] == pytest.approx(1e-3 + 2e-3, abs=1e-5)  # (halfway to 4 MB)
+    assert views("cpu", 40_000_000 // 12)[0] == pytest.approx(1e-3 + 3e-3, abs=1e-5)  # (beyond: the last point)
+    assert views("gpu", 1_000_000 // 12) == pytest.approx([1e-3] * 6, abs=1e-6)
+
+
 def test_on_a_cpu_a_reduce_after_compute_costs_what_calibration_found_a_step_s_reduces_cost():
     """`reduce_in_step`: a CPU collective costs the extra interpolated at the compute each rank ran since its
     last collective (none back to back), on every rank of its group; never on a GPU."""
@@ -608,6 +645,11 @@ def test_calibration_measures_this_machine_and_the_simulator_uses_it(tmp_path, m
         print("reduce in step (ms):", [[round(1e3 * c, 3), round(1e3 * x, 3)] for c, x in points])
         assert len(points) == 4 and [c for c, _ in points] == sorted(c for c, _ in points)
         assert all(c > 0 and x >= 0 for c, x in points)
+        # small ops after a copy, at each size calibrated (ascending, extras clamped at 0)
+        cold = saved["cold_ops"]
+        print("cold ops (MB, us):", [[round(b / 1e6, 1), round(1e6 * x, 1)] for b, x in cold])
+        assert [b for b, _ in cold] == sorted(b for b, _ in cold) and len(cold) == 4
+        assert all(x >= 0 for _, x in cold)
         print("controller load:", saved["controller_load"])
     # the engine's own cost per reduce (over one rank), and each op of the sample step beyond a tiny add_
     # (measured less the round trip, clamped at 0: on a loaded machine a quick calibration can read 0)
@@ -655,8 +697,8 @@ def test_two_calibrations_in_a_row_agree_within_the_spread_each_reports(tmp_path
             return p.flops["float32"]
         if key == "op_extra":
             return sum(p.op_extra.values())
-        if key == "reduce_in_step":
-            return sum(x for _, x in p.reduce_in_step)
+        if key in ("reduce_in_step", "cold_ops"):
+            return sum(x for _, x in getattr(p, key))
         return statistics.median(p.measured["steps"]) if key == "step" else getattr(p, key)
 
     keys = (*STEERING, "step")
@@ -667,7 +709,9 @@ def test_two_calibrations_in_a_row_agree_within_the_spread_each_reports(tmp_path
         for k in keys:  # the spread is each figure's range across the passes over its median
             r = p.measured["range"][k]
             assert (r == 0) == (p.spread[k] == 0), k
-            if k not in ("op_extra", "reduce_in_step") and value(p, k):  # (these: the passes' sums, over their median)
+            if k not in ("op_extra", "reduce_in_step", "cold_ops") and value(
+                p, k
+            ):  # (these: the passes' sums, over their median)
                 assert p.spread[k] == pytest.approx(r / abs(value(p, k))), k
     apart = {k: (value(a, k), value(b, k), a.measured["range"][k] + b.measured["range"][k]) for k in keys}
     print({k: f"{x:.3g} vs {y:.3g} (within {w:.2g})" for k, (x, y, w) in apart.items()})

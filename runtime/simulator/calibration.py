@@ -199,6 +199,7 @@ def _one_pass(mesh, n: int, gpus: int, quick: bool) -> DeviceProfile:
         decode=decode,
         reduce_floor=statistics.median(c["1"] for c in comm) if shared_cores else 0.0,
         reduce_in_step=in_step,
+        cold_ops=_per_point(per_rank, "cold_ops"),
         op_extra=extra,
         reduce_overhead=reduce_overhead,
         memory=base.memory if gpus else 0,
@@ -214,6 +215,14 @@ def _one_pass(mesh, n: int, gpus: int, quick: bool) -> DeviceProfile:
             "step_ends": ends,
         },
     )
+
+
+def _per_point(per_rank: list[dict], key: str) -> list[list[float]]:
+    """``[[x, y], ...]`` measured on every rank (the same xs): each point's y, the median over the ranks."""
+    found = [r[key] for r in per_rank if r.get(key)]
+    if not found:
+        return []
+    return [[x, statistics.median(f[i][1] for f in found)] for i, (x, _) in enumerate(found[0])]
 
 
 def _combine(profiles: list[DeviceProfile], steps: list[float] | None = None) -> DeviceProfile:
@@ -240,6 +249,12 @@ def _combine(profiles: list[DeviceProfile], steps: list[float] | None = None) ->
             for i in range(len(first.reduce_in_step))
         ]
         each["reduce_in_step"] = [sum(x for _, x in p.reduce_in_step) for p in profiles]
+    if all(len(p.cold_ops) == len(first.cold_ops) for p in profiles) and first.cold_ops:
+        values["cold_ops"] = [
+            [first.cold_ops[i][0], statistics.median(p.cold_ops[i][1] for p in profiles)]
+            for i in range(len(first.cold_ops))
+        ]
+        each["cold_ops"] = [sum(x for _, x in p.cold_ops) for p in profiles]
     each["flops"] = [p.flops["float32"] for p in profiles]
     measured = {k: v for k, v in first.measured.items() if k in ("workers", "cores")}
     if steps:

@@ -20,10 +20,10 @@ from monarch.runtime.common import config
 STEERING = (
     "op_overhead", "op_extra", "dispatch", "decode", "intra_latency", "reduce_floor", "reduce_overhead",
     "handoff", "after_reduce", "beside_reduce", "wire_latency", "fetch_latency", "controller_slowdown",
-    "controller_load", "compute_contention", "flops", "mem_bw", "reduce_in_step",
+    "controller_load", "compute_contention", "flops", "mem_bw", "reduce_in_step", "cold_ops",
 )  # fmt: skip
 """The figures a simulated step's time follows (`op_extra`: the sum over the sample step's ops; `flops`:
-float32's; `reduce_in_step`: its extras' sum), whose spread across passes `calibrate()` keeps."""
+float32's; `reduce_in_step`, `cold_ops`: their extras' sums), whose spread across passes `calibrate()` keeps."""
 STALLED = 10.0
 """A `comm_contention` this high or higher: a collective beside compute made next to no progress (a worker's
 stream thread got no core while its main thread computed); the simulator then begins a side stream's command
@@ -113,6 +113,12 @@ class DeviceProfile:
     as a step's gradients do (workers sharing cores arrive in turns, and gather from sleep and cold caches:
     the longer the compute, the more it costs); interpolated between the points, none after no compute;
     measured by `calibrate()` (empty: none)."""
+    cold_ops: list = field(default_factory=list)
+    """``[[bytes, extra], ...]`` (bytes ascending): seconds an op on a CPU worker costs beyond its figures when
+    the ops just before it (`model.COLD_WINDOW` of them) moved ``bytes`` in all: more than the caches hold
+    (a step's matmuls and activations), and the interpreter's and ATen's working set is gone, which each
+    kind of op pays to bring back (on 4 workers of 2 cores about 1, 3, 12 and 30 µs an op after 0.5, 1, 2
+    and 8 MB); interpolated between the points, none after none; measured by `calibrate()` (empty: none)."""
     decode: float = 0.0
     """Seconds per command a worker spends decoding a batch when it arrives, before running its first
     command (0: part of `dispatch`); measured by `calibrate()`."""

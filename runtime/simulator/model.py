@@ -19,7 +19,8 @@ and slow each other down, by factors `calibrate()` measures (`SimWorkers._share`
 collective beside compute made no progress (`devices.STALLED`), a side stream's command that main's op
 found not begun begins when that op ends (`_postpone`: a woken stream thread got no core meanwhile), a
 collective's end moving on every rank of its group with its last arrival; and a collective costs the
-calibrated `reduce_in_step` at the compute its ranks ran since their last one. Memory: a result that
+calibrated `reduce_in_step` at the compute its ranks ran since their last one; an op pays the calibrated
+`cold_ops` at the bytes its rank's last `COLD_WINDOW` ops moved (what they evicted from the caches). Memory: a result that
 does not alias an input is an allocation (at its op's start; on a GPU when the command thread launches the
 op, as CUDA's caching allocator serves it on the host); a storage is freed when the last handle naming it
 is freed. While the controller computes (issuing commands, autograd), the workers of its host
@@ -44,6 +45,9 @@ from monarch.runtime.simulator import costs
 from monarch.runtime.simulator.devices import STALLED, DeviceProfile
 from monarch.runtime.wire import protocol as P
 from monarch.runtime.wire.protocol import Ref
+
+COLD_WINDOW = 5
+"""The ops before an op whose bytes `cold_ops` follows (calibration's runs of small ops after a copy are this long)."""
 
 _COLLECTIVE = {
     (False, False): "all_reduce",
@@ -144,6 +148,14 @@ class SimWorkers:
             np.array([0.0, *(x for _, x in dev.reduce_in_step)]),
         ) if self.inline and dev.reduce_in_step else None  # fmt: skip
         """`reduce_in_step`'s points, from none after no compute (CPU workers)."""
+        self.cold = (
+            np.array([0.0, *(b for b, _ in dev.cold_ops)]),
+            np.array([0.0, *(x for _, x in dev.cold_ops)]),
+        ) if self.inline and dev.cold_ops else None  # fmt: skip
+        """`cold_ops`' points, from none after nothing moved (CPU workers)."""
+        self.moved = np.zeros((COLD_WINDOW, size))
+        """Per rank, bytes each of its last `COLD_WINDOW` ops moved (a ring, at `_slot`: what `cold_ops` follows)."""
+        self._slot = 0
         self.starved = np.zeros(size)
         """Per rank: seconds in the window it had run everything it was given and waited for the controller
         to send more (idle because of the controller's own time, not the device's)."""
@@ -489,6 +501,10 @@ class SimWorkers:
                 self.values[ref] = None
             return
         dur, flops, nb = costs.op_cost(self.dev, func, args, kwargs, out)
+        if self.cold is not None:  # (the ops before it moved more than the caches hold: it pays to refill them)
+            dur = dur + np.interp(self.moved[:, idx].sum(axis=0), *self.cold)
+            self.moved[self._slot, idx] = nb
+            self._slot = (self._slot + 1) % COLD_WINDOW
         kind = "comm" if cmd.name.startswith("c10d::") else "compute"
         alloc_at = self._run(idx, sid, dur, cmd.name, kind, cmd.where, flops, nb)  # (the op's start)
         if not self.inline:  # (on a GPU the command thread allocates results as it launches the op)

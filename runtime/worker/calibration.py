@@ -126,10 +126,73 @@ def measure(n_ops: int = 1000, quick: bool = False) -> dict:
         out["mem_bw"] = 2 * big.numel() * big.element_size() / t
         if dev == "cpu":
             out.update(_contention(rep))
+            out["cold_ops"] = _cold_ops(x, y, 3 if quick else 5)
     finally:
         table.pop(x, None)
         table.pop(y, None)
     return out
+
+
+COLD_BYTES = (1 << 18, 1 << 19, 1 << 20, 1 << 22)
+"""`_cold_ops`' copies: this many bytes each (read, then written: twice as many moved)."""
+SMALL_RUN = 5
+"""`_cold_ops`' small ops after each copy, each of another kind (as a step's views, transposes and adds)."""
+
+
+def _cold_ops(x: int, y: int, rep: int) -> list[list[float]]:
+    """``[[bytes, extra], ...]``: seconds each of a run of small ops costs beyond what it costs in a loop of
+    small ops, when an op that moved ``bytes`` ran just before the run (a step's matmuls and activations move
+    more than the caches hold: the interpreter's and ATen's working set is gone, and each kind of op pays to
+    bring its own back). Every worker at once, through the engine: runs of `SMALL_RUN` small ops, each after
+    a copy or not, alternately; each small op timed as it runs (the engine's `around` hook), the copies not."""
+    w, src, dst, out = _BASE + 2, _BASE + 3, _BASE + 4, _BASE + 5
+    table[w] = torch.ones(64, 64)
+    small = [
+        P.Op("aten::view", (Ref(w), [32, 128]), {}, out, "calibrate"),
+        P.Op("aten::t", (Ref(w),), {}, out, "calibrate"),
+        P.Op("aten::add_.Tensor", (Ref(x), Ref(y)), {}, x, "calibrate"),
+        P.Op("aten::expand", (Ref(x), [3, 4]), {}, out, "calibrate"),
+        P.Op("aten::transpose.int", (Ref(w), 0, 1), {}, out, "calibrate"),
+    ]
+    assert len(small) == SMALL_RUN
+    spent = [0.0]
+
+    def around(cmd, handler) -> None:
+        if cmd.name == "aten::copy_":
+            handler(cmd)
+            return
+        t = time.perf_counter()
+        handler(cmd)
+        spent[0] += time.perf_counter() - t
+
+    def small_ops(batch: list, runs: int) -> float:
+        spent[0] = 0.0
+        _together()
+        _run(batch)
+        return spent[0] / (runs * SMALL_RUN)
+
+    points = []
+    saved, commands.around = commands.around, around
+    try:
+        for nbytes in COLD_BYTES:
+            table[src] = torch.ones(nbytes // 4)
+            table[dst] = torch.empty(nbytes // 4)
+            copy = P.Op("aten::copy_", (Ref(dst), Ref(src)), {}, dst, "calibrate")
+            runs = 40
+            after, alone = _batch([copy, *small] * runs), _batch(small * runs)
+            extra = []
+            for i in range(rep):  # (in either order by turns: the machine's speed moves)
+                if i % 2:
+                    base = small_ops(alone, runs)
+                    extra.append(small_ops(after, runs) - base)
+                else:
+                    extra.append(small_ops(after, runs) - small_ops(alone, runs))
+            points.append([float(2 * nbytes), max(statistics.median(extra), 0.0)])
+    finally:
+        commands.around = saved
+        for ref in (w, src, dst, out):
+            table.pop(ref, None)
+    return points
 
 
 def time_ops() -> None:
