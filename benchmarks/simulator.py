@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import io
 import os
 import pickle
@@ -126,6 +127,7 @@ def real_side(mesh, make, train, data, n: int, cuda: bool = False) -> dict:
     times, model = steps(mesh, make, train, data, n, time.perf_counter)
     # peak memory above the step's start, from monarch.memory's recording of one step
     with tempfile.TemporaryDirectory() as d:
+        gc.collect()  # (what earlier steps dropped is freed before the window, as `Simulator.reset()` does)
         monarch.memory.record_memory_history(mesh=mesh)
         with mesh.activate():
             loss = train(model, *data())
