@@ -20,11 +20,12 @@ collective beside compute made no progress (`devices.STALLED`), a side stream's 
 found not begun begins when that op ends (`_postpone`: a woken stream thread got no core meanwhile), a
 collective's end moving on every rank of its group with its last arrival; and a collective costs the
 calibrated `reduce_in_step` at the compute its ranks ran since their last one; an op pays the calibrated
-`cold_ops` at the bytes its rank's last `COLD_WINDOW` ops moved (what they evicted from the caches). Memory: a result that
-does not alias an input is an allocation (at its op's start; on a GPU when the command thread launches the
-op, as CUDA's caching allocator serves it on the host); a storage is freed when the last handle naming it
-is freed. While the controller computes (issuing commands, autograd), the workers of its host
-are slower by the calibrated `controller_load` (`SimWorkers.controller_busy`).
+`cold_ops` at the bytes its rank's last `COLD_WINDOW` ops moved (what they evicted from the caches).
+Memory: a result that does not alias an input is an allocation (at its op's start; on a GPU when the
+command thread launches the op, as CUDA's caching allocator serves it on the host); a storage is freed
+when the last handle naming it is freed. While the controller computes (issuing commands, autograd, on
+any of its threads), the workers of its host are slower by the calibrated `controller_load`
+(`SimWorkers.controller_busy`).
 
 State is kept once per command, not per rank: clocks are numpy arrays over ranks, so a 512-rank mesh
 costs little more than a 4-rank one.
