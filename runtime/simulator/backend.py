@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from monarch.runtime.backends.base import Backend
+from monarch.runtime.common import helper_cpu
 from monarch.runtime.common.shape import Shape
 from monarch.runtime.simulator.devices import DeviceProfile
 from monarch.runtime.simulator.model import SimWorkers
@@ -73,8 +74,8 @@ class SimBackend(Backend):
         self.clock = 0.0
         """The controller's simulated time (seconds)."""
         self._mark = time.perf_counter()
-        self._cpu_mark = time.process_time()
-        """The process's CPU time when a message was last sent."""
+        self._cpu_mark = (threading.get_ident(), time.thread_time(), helper_cpu.spent())
+        """The thread that sent last, its CPU time then, and the program's helper threads' (`helper_cpu`)."""
         self.controller_spans: list[tuple[float, float, str]] = []
         self.warned = False
         self._seq = 0
@@ -101,14 +102,17 @@ class SimBackend(Backend):
         return self.clock + busy + (elapsed - busy / f)
 
     def _cpu_share(self, elapsed: float) -> float:
-        """The share of `elapsed` (since the last message) the program computed, on any of its threads (the
-        one that sends may wait while another computes: `grad_generator` runs autograd on a thread of its
-        own); none while it slept."""
-        return min(1.0, (time.process_time() - self._cpu_mark) / elapsed)
+        """The share of `elapsed` (since the last message) the program computed: the sending thread, and the
+        threads that compute for it while it waits (`grad_generator`'s autograd: `helper_cpu`); none while it
+        slept; all of it when another thread sent last."""
+        thread, cpu, helpers = self._cpu_mark
+        if thread != threading.get_ident():
+            return 1.0
+        return min(1.0, (time.thread_time() - cpu + helper_cpu.spent() - helpers) / elapsed)
 
     def _leave(self) -> None:
         self._mark = time.perf_counter()
-        self._cpu_mark = time.process_time()
+        self._cpu_mark = (threading.get_ident(), time.thread_time(), helper_cpu.spent())
 
     def now(self) -> float:
         """The controller's simulated time now (its wall time since the last message included)."""

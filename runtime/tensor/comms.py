@@ -8,6 +8,7 @@ import threading
 
 import torch
 
+from monarch.runtime.common import helper_cpu
 from monarch.runtime.controller import SpawnedMesh
 from monarch.runtime.tensor import known as known_values
 from monarch.runtime.tensor.checks import check_alive, check_same_mesh, check_stream, issuer, where
@@ -123,8 +124,12 @@ def grad_generator(loss: Tensor, params, grad_outputs=None):
     cond = threading.Condition()
     state: dict = {"done": False, "error": None, "result": None, "want": None, "closed": False}
 
+    meter: list = []  # (the backward thread's `helper_cpu.Meter`: the loop waits while it computes)
+
     def hook(i):
         def put(g):
+            if meter:
+                meter[0].report()
             with cond:
                 ready[i] = g
                 cond.notify_all()
@@ -141,11 +146,13 @@ def grad_generator(loss: Tensor, params, grad_outputs=None):
 
     def backward():
         issuer.where = f"{at} (the backward pass of grad_generator)"
+        meter.append(helper_cpu.Meter())
         try:
             state["result"] = torch.autograd.grad(loss, params, grad_outputs=grad_outputs, allow_unused=True)
         except BaseException as e:
             state["error"] = e
         finally:
+            meter[0].report()
             with cond:
                 state["done"] = True
                 cond.notify_all()
