@@ -23,9 +23,9 @@ calibrated `reduce_in_step` at the compute its ranks ran since their last one; a
 `cold_ops` at the bytes its rank's last `COLD_WINDOW` ops moved (what they evicted from the caches).
 Memory: a result that does not alias an input is an allocation (at its op's start; on a GPU when the
 command thread launches the op, as CUDA's caching allocator serves it on the host); a storage is freed
-when the last handle naming it is freed. While the controller computes (issuing commands, autograd, on
-any of its threads), the workers of its host are slower by the calibrated `controller_load`
-(`SimWorkers.controller_busy`).
+when the last handle naming it is freed. While the controller computes (issuing commands, autograd: the
+sending thread and `grad_generator`'s), the workers of its host are slower by the calibrated
+`controller_load` (`SimWorkers.controller_busy`).
 
 State is kept once per command, not per rank: clocks are numpy arrays over ranks, so a 512-rank mesh
 costs little more than a 4-rank one.
