@@ -243,18 +243,13 @@ def _combine(profiles: list[DeviceProfile], steps: list[float] | None = None) ->
     each["op_extra"] = [sum(p.op_extra.values()) for p in profiles]
     flops = statistics.median(p.flops["float32"] for p in profiles)
     values["flops"] = {"float32": flops, "default": flops}
-    if all(len(p.reduce_in_step) == len(first.reduce_in_step) for p in profiles) and first.reduce_in_step:
-        values["reduce_in_step"] = [
-            [statistics.median(p.reduce_in_step[i][j] for p in profiles) for j in (0, 1)]
-            for i in range(len(first.reduce_in_step))
-        ]
-        each["reduce_in_step"] = [sum(x for _, x in p.reduce_in_step) for p in profiles]
-    if all(len(p.cold_ops) == len(first.cold_ops) for p in profiles) and first.cold_ops:
-        values["cold_ops"] = [
-            [first.cold_ops[i][0], statistics.median(p.cold_ops[i][1] for p in profiles)]
-            for i in range(len(first.cold_ops))
-        ]
-        each["cold_ops"] = [sum(x for _, x in p.cold_ops) for p in profiles]
+    for key in ("reduce_in_step", "cold_ops"):  # ([[x, y], ...]: each point's median; spread of the ys' sums)
+        points = [getattr(p, key) for p in profiles]
+        if points[0] and all(len(ps) == len(points[0]) for ps in points):
+            values[key] = [
+                [statistics.median(ps[i][j] for ps in points) for j in (0, 1)] for i in range(len(points[0]))
+            ]
+            each[key] = [sum(y for _, y in ps) for ps in points]
     each["flops"] = [p.flops["float32"] for p in profiles]
     measured = {k: v for k, v in first.measured.items() if k in ("workers", "cores")}
     if steps:

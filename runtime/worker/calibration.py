@@ -144,7 +144,7 @@ def _cold_ops(x: int, y: int, rep: int) -> list[list[float]]:
     small ops, when an op that moved ``bytes`` ran just before the run (a step's matmuls and activations move
     more than the caches hold: the interpreter's and ATen's working set is gone, and each kind of op pays to
     bring its own back). Every worker at once, through the engine: runs of `SMALL_RUN` small ops, each after
-    a copy or not, alternately; each small op timed as it runs (the engine's `around` hook), the copies not."""
+    a copy or not, alternately; each small op timed as it runs (`time_ops`), the copies not."""
     w, src, dst, out = _BASE + 2, _BASE + 3, _BASE + 4, _BASE + 5
     table[w] = torch.ones(64, 64)
     small = [
@@ -155,24 +155,14 @@ def _cold_ops(x: int, y: int, rep: int) -> list[list[float]]:
         P.Op("aten::transpose.int", (Ref(w), 0, 1), {}, out, "calibrate"),
     ]
     assert len(small) == SMALL_RUN
-    spent = [0.0]
-
-    def around(cmd, handler) -> None:
-        if cmd.name == "aten::copy_":
-            handler(cmd)
-            return
-        t = time.perf_counter()
-        handler(cmd)
-        spent[0] += time.perf_counter() - t
 
     def small_ops(batch: list, runs: int) -> float:
-        spent[0] = 0.0
         _together()
+        time_ops()
         _run(batch)
-        return spent[0] / (runs * SMALL_RUN)
+        return sum(e - t for name, t, e in timed_ops() if name != "aten::copy_") / (runs * SMALL_RUN)
 
     points = []
-    saved, commands.around = commands.around, around
     try:
         for nbytes in COLD_BYTES:
             table[src] = torch.ones(nbytes // 4)
@@ -189,7 +179,6 @@ def _cold_ops(x: int, y: int, rep: int) -> list[list[float]]:
                     extra.append(small_ops(after, runs) - small_ops(alone, runs))
             points.append([float(2 * nbytes), max(statistics.median(extra), 0.0)])
     finally:
-        commands.around = saved
         for ref in (w, src, dst, out):
             table.pop(ref, None)
     return points
