@@ -249,11 +249,18 @@ def _cell(nb, first_line: str, contains: str = ""):
 
 def _text(cell, mime: str = "text/plain") -> str:
     parts = []
+    previous = None
     for out in cell.outputs:
         if out.output_type == "stream":
-            parts.append(out.text if mime == "text/plain" else "")
+            # A loaded kernel may flush one print in two messages; JupyterLab joins consecutive streams, so do we.
+            text = out.text if mime == "text/plain" else ""
+            if previous is not None and previous.output_type == "stream" and previous.name == out.name:
+                parts[-1] += text
+            else:
+                parts.append(text)
         elif out.output_type in ("display_data", "execute_result"):
             parts.append(str(out.data.get(mime, "")))
+        previous = out
     return "\n".join(parts)
 
 
