@@ -21,6 +21,7 @@ import collections
 import concurrent.futures
 import inspect
 import os
+import select
 import sys
 import threading
 import traceback
@@ -501,14 +502,24 @@ class Mailbox:
         self.idle_poller: zmq.Poller | None = None
         """`poller` and the controller's commands: the idle wait's, made once (not registered for each)."""
         self._socks: dict[Any, Outbox] = {}
+        self._quiet = False
+        """No ZeroMQ socket here was used since a wait found none of them readable: a message arriving now
+        makes its socket's descriptor (`zmq.FD`) readable, so the idle wait may sleep on the bare descriptors
+        (`_sleep`). Any use of a socket may take that signal while a message waits: it clears this."""
+        self._bare: select.poll | None = None
+        """The idle wait's poll over the bare descriptors (the lane, the wake pipe, each socket's `zmq.FD`)."""
+        self._lane = -1
+        """The descriptor of the controller's commands (-1: a ZeroMQ socket, which `_sleep` cannot wait on)."""
         self.worker.side_poll = self.serve_until_command
 
     # -- sending ----------------------------------------------------------------------------------
     def outbox(self, to: InboxAddress) -> Outbox:
+        self._quiet = False  # (what it returns is used at once)
         box = self.outboxes.get(to.addr)
         if box is None:
             box = self.outboxes[to.addr] = Outbox(self.ctx, to, self.me)
             self._socks[box.sock] = box
+            self._bare = None
             for poller in (self.poller, self.idle_poller):
                 if poller is not None:
                     poller.register(box.sock, zmq.POLLIN)
@@ -534,7 +545,7 @@ class Mailbox:
         while not done():
             self._step(None)
 
-    def serve_until_command(self, cmd: zmq.Socket) -> None:
+    def serve_until_command(self, cmd: zmq.Socket | int) -> None:
         """The worker's idle wait: serve the inbox until a command from the controller is ready."""
         poller = self.idle_poller
         if poller is None:
@@ -542,13 +553,35 @@ class Mailbox:
             for sock, flags in self.poller.sockets:
                 poller.register(sock, flags)
             poller.register(cmd, zmq.POLLIN)
+            self._lane = cmd if isinstance(cmd, int) else -1  # (a lane's descriptor)
+        if self._quiet and self._lane >= 0 and self._sleep():
+            return
         while not self._step(cmd, poller):
             pass
+
+    def _sleep(self) -> bool:
+        """The idle wait while no actor message is on its way (most of a worker's life): one `poll` on the bare
+        descriptors; ZeroMQ's poll would check every socket's events before and after it (five more system calls
+        per command). Whether the commands alone woke it (anything else: `_step` looks)."""
+        bare = self._bare
+        if bare is None:
+            bare = self._bare = select.poll()
+            for fd in (
+                self._lane,
+                self._wake_r,
+                self.inbox.sock.getsockopt(zmq.FD),
+                *(s.getsockopt(zmq.FD) for s in self._socks),
+            ):
+                bare.register(fd, select.POLLIN)
+        ready = bare.poll()
+        return len(ready) == 1 and ready[0][0] == self._lane
 
     def _step(self, cmd: zmq.Socket | None, poller: zmq.Poller | None = None) -> bool:
         """One wait (on `poller`; by default `self.poller`, without the commands) and what it brought; whether `cmd`
         is ready."""
         events = dict((poller or self.poller).poll())
+        # (ZeroMQ's poll read every socket's events: where none is readable, the next message signals its descriptor)
+        self._quiet = self.inbox.sock not in events and not any(sock in events for sock in self._socks)
         if self._wake_r in events:
             try:
                 os.read(self._wake_r, 4096)
@@ -642,6 +675,7 @@ class Mailbox:
         return lambda _, ok, value: None
 
     def _answer(self, identity: bytes, call_id: int, ok: bool, value: Any) -> None:
+        self._quiet = False
         self.inbox.answer(identity, protocol.ActorAnswer(call_id, ok), _answer_body(ok, value))
 
 
