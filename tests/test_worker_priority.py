@@ -1,9 +1,9 @@
-"""Local workers' use of the CPU: their priority below the controller's (`MONARCH_WORKER_NICE`), polling
-for the next command before sleeping (`MONARCH_WORKER_SPIN_US`), and `SCHED_BATCH` where they outnumber the cores.
+"""Local workers' use of the CPU: their priority below the controller's (`MONARCH_WORKER_NICE`), and polling
+for the next command before sleeping (`MONARCH_WORKER_SPIN_US`).
 
 Checked on real workers: each worker's nice value (its main thread's, and a thread it starts later), its
 session's autogroup where Linux has them, and that the controller's own priority is left alone; whether
-workers poll and whether they run as `SCHED_BATCH`, from the CPUs the controller may use when it spawns them.
+workers poll, from the CPUs the controller may use when it spawns them.
 """
 
 import os
@@ -90,44 +90,9 @@ def test_local_workers_poll_for_commands_only_with_a_cpu_each_beside_the_control
 
 
 def test_how_many_local_workers_may_poll_for_the_cores_there_are():
-    from monarch.runtime.backends.local import batches, spins
+    from monarch.runtime.backends.local import spins
 
     assert spins(1, 2) and not spins(1, 1) and spins(8, 9) and not spins(8, 8)  # a core each, the controller's too
-    assert batches(1, 1) and batches(64, 2) and not batches(1, 2) and not batches(8, 9)  # the others' complement
-
-
-@monarch.remote
-def policies():
-    got: dict = {}
-    t = threading.Thread(target=lambda: got.setdefault("thread", os.sched_getscheduler(0)))
-    t.start()
-    t.join()
-    got["main"] = os.sched_getscheduler(0)
-    return got
-
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
-@pytest.mark.parametrize("cpus, want", [(1, os.SCHED_BATCH), (2, os.SCHED_OTHER)])
-def test_local_workers_run_as_batch_only_where_they_and_the_controller_outnumber_the_cores(cpus, want):
-    """One worker beside the controller on 1 CPU: `SCHED_BATCH` (its main thread and a thread it starts later), so
-    that its waking does not take the CPU from the controller; with a CPU each, the default policy. The controller's
-    own policy is left alone."""
-    mine = os.sched_getaffinity(0)
-    ctl = Controller(Settings())
-    try:
-        os.sched_setaffinity(0, sorted(mine)[:cpus])  # (this thread's: the backend counts the CPUs it may use)
-        try:
-            spawned = ctl.spawn({"gpu": 1})
-        finally:
-            os.sched_setaffinity(0, mine)
-        mesh = ProcMesh(spawned, spawned.shape)
-        pids = [i["pid"] for i in spawned.info]
-        assert policies.on(mesh)().values() == [{"main": want, "thread": want}]
-        mesh.exit()
-    finally:
-        ctl.shutdown()
-    assert wait_gone(pids) == []
-    assert os.sched_getscheduler(0) == os.SCHED_OTHER
 
 
 @pytest.mark.parametrize(

@@ -59,12 +59,6 @@ def spins(workers: int, cores: int) -> bool:
     return workers + 1 <= cores
 
 
-def batches(workers: int, cores: int) -> bool:
-    """Whether local workers run as `SCHED_BATCH` (`worker.main.run_as_batch`): where they and the controller
-    outnumber the cores, so that a woken worker does not take the core of one still working."""
-    return workers + 1 > cores
-
-
 class LocalBackend(Backend):
     """Workers on this machine, over IPC sockets in a private directory (or TCP with CURVE)."""
 
@@ -127,8 +121,7 @@ class LocalBackend(Backend):
         self.expect_startup(mesh_id, lambda env: take_startup(mesh, env))
         env = dict(os.environ)
         threads = int(env.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // n))
-        cores = usable_cores()
-        spin = self.settings.worker_spin if spins(n, cores) else 0.0
+        spin = self.settings.worker_spin if spins(n, usable_cores()) else 0.0
         ok = False
         try:
             for coords, rank in shape.points():
@@ -136,7 +129,7 @@ class LocalBackend(Backend):
                 cfg = protocol.WorkerStart(
                     keys[rank], coords, shape.size_dict, rank, labels[rank], path, wenv, os.getcwd(), list(sys.path),
                     threads, fork_server_pid(torch), os.getpid(), self.settings.group_timeout,
-                    self.settings.worker_nice, spin, batches(n, cores), torch,
+                    self.settings.worker_nice, spin, torch,
                 )  # fmt: skip
                 self.procs.fork(mesh_id, rank, cfg)
             exits = lambda: {r: exit_cause(c) for r, c in self.procs.exited(mesh_id).items()}  # noqa: E731
