@@ -434,3 +434,44 @@ def test_a_bound_lane_checks_each_message_as_the_sockets_do(tmp_path):
         transport.close()
         transport.close_store()
         transport.terminate()
+
+
+def test_a_workers_one_frame_message_is_signed_as_encode_signs_it(tmp_path):
+    """`codec.one_signer` (a worker's reply in one call) makes the very bytes `encode` makes for every one-frame
+    message under `codec.SMALL`, and declines at `SMALL` (where `encode` signs with HMAC-SHA256); `send_frame`
+    writes it as `send` writes `encode`'s frames."""
+    from monarch.runtime.wire import codec, protocol
+
+    key = os.urandom(32)
+    sign = codec.one_signer(key, 7, 3)
+    for message, body in [
+        (protocol.Reply(11, True), codec.dumps(None)[0]),
+        (protocol.Output(4, "stdout", "héllo\n"), b""),
+        (protocol.Reply(12, False), os.urandom(codec.SMALL - 200)),
+    ]:
+        pieces = sign(5, protocol.pack(message), body)
+        assert pieces is not None and b"".join(pieces) == codec.encode(key, 7, 3, 5, protocol.pack(message), [body])[0]
+        env = codec.decode(key, [b"".join(pieces)])
+        assert (env.mesh_id, env.rank, env.seq, protocol.unpack(env.message), bytes(env.body)) == (
+            7,
+            3,
+            5,
+            message,
+            body,
+        )
+    assert sign(6, protocol.pack(protocol.Reply(13, True)), os.urandom(codec.SMALL)) is None
+
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(tmp_path / "lane"))
+    server.listen(1)
+    client = lanes.LaneClient(str(tmp_path / "lane"))
+    b, _ = server.accept()
+    with server, b:
+        client.send_frame(sign(7, protocol.pack(protocol.Reply(14, True)), b"x"))
+        client.send(codec.encode(key, 7, 3, 7, protocol.pack(protocol.Reply(14, True)), [b"x"]))
+        n = len(lanes.pack([codec.encode(key, 7, 3, 7, protocol.pack(protocol.Reply(14, True)), [b"x"])[0]])[0])
+        got = b""
+        while len(got) < 2 * n:
+            got += b.recv(65536)
+        assert got[:n] == got[n:]
+    client.close()

@@ -349,6 +349,24 @@ def decode(key: Any, frames: Sequence[zmq.Frame | bytes | memoryview]) -> Envelo
     return Envelope(mesh_id, rank, seq, pickle.loads(first[_FIXED : _FIXED + n]), first[_FIXED + n :], bufs)
 
 
+def one_signer(key: bytes, mesh_id: int, rank: int) -> Callable[[int, Any, bytes | memoryview], list[bytes] | None]:
+    """`encode` for a message of one frame from (`mesh_id`, `rank`) in one call: ``sign(seq, message, body)``
+    gives the frame's two parts (signature, then the rest) or None where the frame would be `SMALL` or more
+    (`encode` then signs it as a large message). Why: a worker sends a reply per call, and `encode` with its
+    helpers and the lane's framing was a quarter of the bytecode a woken worker runs for a no-op call (the mirror
+    of `one_sender`)."""
+    small, envelope, dumps = SMALL, _ENVELOPE.pack, pickle.dumps
+
+    def sign(seq: int, message: Any, body: bytes | memoryview) -> list[bytes] | None:
+        h = dumps(message, protocol=5)
+        meta = b"".join((envelope(mesh_id, rank, seq, len(h)), h, body))
+        if len(meta) >= small:
+            return None
+        return [_blake2b(meta, key=key, digest_size=SIG).digest(), meta]
+
+    return sign
+
+
 def one_sender(key: bytes, mesh_id: int, rank: int, seen: list[int]) -> Callable[[memoryview], Envelope | None]:
     """`decode` for a connection that carries only (`mesh_id`, `rank`)'s messages (a lane), in one call per
     message: a one-frame message signed with `key`, from that sender, numbered above ``seen[rank]`` (which it
