@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any
 
-from monarch.runtime.common.errors import MeshStoppedError
+from monarch.runtime.common.errors import MeshStoppedError, placed
 from monarch.runtime.common.figures import MIME as FIGURE
 from monarch.runtime.controller import LineLabeller, OutputEvent
 from monarch.runtime.values import Future, ValueMesh
@@ -163,6 +163,9 @@ class CellRun:
         except MeshStoppedError:  # (what the user did: its whole story is for result(), if asked)
             stream, text = "stderr", f"[this run was stopped with its mesh, after {took:.1f} s]\n"
         except BaseException as e:
+            labels = dict(self.future.points)
+            for rank, shown in placed(self.future.unshown_failures()):  # (nothing raises them to the user)
+                self.output(OutputEvent(None, self.future.mesh_id, rank, labels[rank], "error", shown))
             first = str(e).split("\n", 1)[0]
             stream, text = "stderr", f"[this run failed after {took:.1f} s: {type(e).__name__}: {first}]\n"
         else:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from monarch.runtime.common import load
-from monarch.runtime.common.errors import Release, RemoteError, RemoteInterrupt, group_failures
+from monarch.runtime.common.errors import Failure, Release, RemoteError, RemoteInterrupt, group_failures
 from monarch.runtime.common.shape import Shape
 from monarch.runtime.common.valuemesh import ValueMesh
 from monarch.runtime.wire import codec, protocol
@@ -73,6 +73,25 @@ class Future(Generic[T]):
         except Exception as e:
             return e
         return None
+
+    def unshown_failures(self) -> list[Failure]:
+        """For a call that has ended: its ranks' errors (grouped as `RemoteError` groups them) that its
+        output did not show as they came. A call nobody waits for (`%%mesh --noblock`) shows these in its
+        areas as it ends: its error is raised to no one."""
+        pending = self._pending
+        labels = pending.mesh.labels
+        raw = []
+        for rank in self._shape.ranks:
+            env = pending.replies.get(rank)
+            if env is None or env.message.ok or rank in pending.errors_shown:
+                continue
+            try:
+                info = _loads(env.body, env.buffers)
+            except Exception as e:
+                info = protocol.ErrorInfo(type(e).__qualname__, f"error cannot be unpickled here: {e}", "")
+            if not (info.exc_type == protocol.RELEASED and rank in pending.released):
+                raw.append((rank, labels[rank], info))
+        return group_failures(raw)
 
     def interrupt(self) -> None:
         """Raise KeyboardInterrupt on the workers still running this call, and return at once (what Ctrl-C

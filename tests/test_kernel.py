@@ -14,7 +14,7 @@ import time
 import pytest
 
 from conftest import started, wait_for, wait_gone
-from helpers.kernel_client import Kernel, monarch_kernel
+from helpers.kernel_client import Kernel, Result, monarch_kernel
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -247,6 +247,21 @@ def test_stacks_name_the_controllers_notebook_frames_by_their_cell(kernel: Kerne
     assert "ipykernel_" not in controller and "runtime/" not in controller, controller
 
 
+def _said_by_each(kernel: Kernel, seen: Result, ranks: int = 4) -> dict[int, str]:
+    """What each rank's area showed on stderr, once the line that ends a --noblock run saved as `job` is in every
+    area (`seen`: `kernel.everything()`, since it may come between two cells)."""
+
+    def said() -> dict[int, str]:
+        items = seen.custom_items()
+        return {g: "".join(it["t"] for it in items if it["r"] == g and it["s"] == "stderr") for g in range(ranks)}
+
+    def ended() -> bool:
+        return all("[this run" in t for t in said().values()) or kernel.run("job.done()").status != "ok"
+
+    wait_for(ended, 30, "the line saying the run ended, in each rank's area")
+    return said()
+
+
 def test_an_interrupted_noblock_run_shows_each_traceback_once_with_its_ranks(kernel: Kernel, tmp_path):
     """Ranks 0-2 stop at the interrupt while rank 3 waits for them in a barrier: their identical tracebacks are
     shown once, with their ranks and the cell named as IPython names it, as a blocking cell's error is."""
@@ -256,15 +271,17 @@ def test_an_interrupted_noblock_run_shows_each_traceback_once_with_its_ranks(ker
         f"open({marker!r} + f'.{{rank}}', 'w').close()\n"
         "if rank == 3:\n    dist.barrier()\nelse:\n    time.sleep(60)"
     )
-    r = kernel.run(code)
-    assert r.status == "ok", r.text()
-    n = r.reply["execution_count"]
-    wait_for(lambda: started(marker, 4), 30, "the run starting on every rank")
-    stopped = kernel.run("job.interrupt()\nimport time\nwhile not job.done():\n    time.sleep(0.05)")
-    assert stopped.status == "ok", stopped.text()
-    after = kernel.run("job.done()")  # (what arrives as the run ends may come after the cell above)
-    items = [it for res in (stopped, after) for it in res.custom_items()]
-    said = {g: "".join(it["t"] for it in items if it["r"] == g and it["s"] == "stderr") for g in range(4)}
+    with kernel.everything() as seen:
+        r = kernel.run(code)
+        assert r.status == "ok", r.text()
+        n = r.reply["execution_count"]
+        wait_for(lambda: started(marker, 4), 30, "the run starting on every rank")
+        # Rank 3 must be in the barrier's C code as the interrupt comes (before it, a KeyboardInterrupt stops it too)
+        waits = "[w for b in job.mesh.busy(ask=5) for r, w in b.waits.items() if r == 3]"
+        wait_for(lambda: "['barrier']" in kernel.run(waits).text(), 30, "rank 3 waiting in its barrier")
+        stopped = kernel.run("job.interrupt()\nimport time\nwhile not job.done():\n    time.sleep(0.05)")
+        assert stopped.status == "ok", stopped.text()
+        said = _said_by_each(kernel, seen)
     assert [said[g].count("Traceback") for g in range(4)] == [1, 0, 0, 0], said
     assert said[0].startswith("-- ranks 0-2: KeyboardInterrupt:\nTraceback"), said
     assert f"Cell In[{n}], line 7\n    time.sleep(60)" in said[0] and "<mesh cell" not in said[0], said
@@ -272,6 +289,21 @@ def test_an_interrupted_noblock_run_shows_each_traceback_once_with_its_ranks(ker
         assert said[g].startswith("-- ranks 0-2: KeyboardInterrupt (shown once, under gpu=0)\n"), said
     assert "KeyboardInterrupt" not in said[3].split("[this run", 1)[0], said  # rank 3 was released, not interrupted
     assert kernel.run("%%mesh\nrank").status == "ok"
+
+
+def test_a_noblock_run_whose_ranks_all_fail_at_once_shows_the_traceback_once_as_it_ends(kernel: Kernel):
+    """Nothing waits for a --noblock run to raise its error: as it ends, its areas show what a blocking cell's
+    error would (the traceback once, under its first rank), before the line that says it failed."""
+    with kernel.everything() as seen:
+        r = kernel.run("%%mesh --noblock --save job\nx = 1 / (rank - rank)")
+        assert r.status == "ok", r.text()
+        n = r.reply["execution_count"]
+        said = _said_by_each(kernel, seen)
+    assert said[0].startswith("-- ranks 0-3: ZeroDivisionError: division by zero\nTraceback"), said
+    assert f"Cell In[{n}], line 2" in said[0] and said[0].count("Traceback") == 1, said
+    for g in (1, 2, 3):
+        assert said[g].startswith("-- ranks 0-3: ZeroDivisionError (shown once, under gpu=0)\n[this run failed"), said
+    assert all("[this run failed after" in said[g] for g in range(4)), said
 
 
 def test_an_input_prompt_and_its_answer_show_in_the_ranks_area(kernel: Kernel):

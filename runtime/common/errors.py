@@ -254,6 +254,18 @@ def group_failures(raw: list[tuple[int, str, ErrorInfo]]) -> list[Failure]:
     return out
 
 
+def placed(failures: list[Failure]) -> list[tuple[int, str]]:
+    """``(rank, text)`` to show `failures` in per-rank places: each traceback once, in its first rank's place,
+    and in its other ranks' places a line saying where it is."""
+    out = []
+    for f in failures:
+        first, *others = f.ranks
+        out.append((first, f.describe() + "\n"))
+        pointer = f"-- {f.where()}: {f.exc_type} (shown once, under {f.labels[0]})\n"
+        out += [(rank, pointer) for rank in others]
+    return out
+
+
 PEER_GONE = re.compile(
     r"Connection (?:reset|closed) by peer|Broken pipe|remote process exited|NCCL communicator was aborted"
 )

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from monarch.runtime.common import ports
-from monarch.runtime.common.errors import group_failures
+from monarch.runtime.common.errors import group_failures, placed
 from monarch.runtime.common.processes import usable_cpus
 from monarch.runtime.controller.output import OutputEvent
 from monarch.runtime.controller.stdin import InputRequest
@@ -259,12 +259,9 @@ class Receiver:
         other ranks' places name the error and where it is shown."""
         errors = self.controller.calls.take_early_errors(pending)
         labels = pending.mesh.labels
-        for failure in group_failures([(env.rank, labels[env.rank], info) for env, info in errors]):
-            first, *others = failure.ranks
-            self.notice(pending, first, failure.describe() + "\n", "error")
-            pointer = f"-- {failure.where()}: {failure.exc_type} (shown once, under {labels[first]})\n"
-            for rank in others:
-                self.notice(pending, rank, pointer, "error")
+        pending.errors_shown.update(env.rank for env, _ in errors)
+        for rank, text in placed(group_failures([(env.rank, labels[env.rank], info) for env, info in errors])):
+            self.notice(pending, rank, text, "error")
 
     def notice(self, pending: PendingCall, rank: int, text: str, stream: str = "stderr") -> None:
         """Show a line of the runtime's about `pending` where its output goes, in `rank`'s place."""

@@ -135,3 +135,5 @@ class PendingCall:
     per-point futures."""
     early_errors: list[tuple[codec.Envelope, protocol.ErrorInfo]] = field(default_factory=list)
     """(envelope, error) of ranks that failed while others ran: shown at once if the call goes on."""
+    errors_shown: set[int] = field(default_factory=set)
+    """Ranks whose tracebacks went to the call's output as they came (`early_errors`, once shown)."""

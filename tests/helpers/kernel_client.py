@@ -74,6 +74,25 @@ class Kernel:
         thread.start()
         return thread
 
+    @contextlib.contextmanager
+    def everything(self) -> Iterator[Result]:
+        """Every iopub message received meanwhile, whichever cell it belongs to: what a background thread (a
+        --noblock run) sends between two cells carries the finished cell's parent, and `run` drops it."""
+        seen = Result("")
+        channel = self.kc.iopub_channel
+        get = channel.get_msg
+
+        def recording(*args, **kw):
+            msg = get(*args, **kw)
+            seen.msgs.append(msg)
+            return msg
+
+        channel.get_msg = recording
+        try:
+            yield seen
+        finally:
+            del channel.get_msg
+
     def run(self, code: str, timeout: float = 60, **kw) -> Result:
         msgs: list[dict] = []
         reply = self.kc.execute_interactive(code, output_hook=msgs.append, timeout=timeout, **kw)
