@@ -75,23 +75,23 @@ class Future(Generic[T]):
         return None
 
     def unshown_failures(self) -> list[Failure]:
-        """For a call that has ended: its ranks' errors (grouped as `RemoteError` groups them) that its
-        output did not show as they came. A call nobody waits for (`%%mesh --noblock`) shows these in its
-        areas as it ends: its error is raised to no one."""
-        pending = self._pending
-        labels = pending.mesh.labels
-        raw = []
-        for rank in self._shape.ranks:
-            env = pending.replies.get(rank)
-            if env is None or env.message.ok or rank in pending.errors_shown:
-                continue
-            try:
-                info = _loads(env.body, env.buffers)
-            except Exception as e:
-                info = protocol.ErrorInfo(type(e).__qualname__, f"error cannot be unpickled here: {e}", "")
-            if not (info.exc_type == protocol.RELEASED and rank in pending.released):
-                raw.append((rank, labels[rank], info))
-        return group_failures(raw)
+        """For a call that has ended: the failures of its `RemoteError` (what `result()` raises) whose ranks'
+        tracebacks its output did not show as they came. A call nobody waits for (`%%mesh --noblock`) shows
+        these in its areas as it ends: its error is raised to no one."""
+        error = self.exception()
+        if type(error) is not RemoteError:  # (a worker's death, a stop: their headline says it all)
+            return []
+        shown = self._pending.errors_shown
+        out = []
+        for f in error.failures:
+            keep = [i for i, rank in enumerate(f.ranks) if rank not in shown]
+            if len(keep) == len(f.ranks):
+                out.append(f)
+            elif keep:
+                messages = [f.messages[i] for i in keep] if f.messages else []
+                ranks, labels = [f.ranks[i] for i in keep], [f.labels[i] for i in keep]
+                out.append(Failure(ranks, labels, f.exc_type, f.message, f.traceback, messages))
+        return out
 
     def interrupt(self) -> None:
         """Raise KeyboardInterrupt on the workers still running this call, and return at once (what Ctrl-C
