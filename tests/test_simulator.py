@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -548,38 +549,39 @@ def test_on_a_cpu_a_reduce_after_compute_costs_what_calibration_found_a_step_s_r
     assert first == pytest.approx(plain)
 
 
-def _beside_the_controller(wait, load: float) -> tuple[float, float, float]:
+def _beside_the_controller(wait, load: float) -> tuple[float, list[tuple[float, float, float]]]:
     """A 40 ms reduce on 2 CPU workers of a made-up profile, sent just before the controller spends ~30 ms
-    in `wait`: (how long the reduce took, how long the controller's clock moved meanwhile, in ms; the share of
-    that time the controller's thread computed, as the simulator measured it)."""
+    in `wait`: how long the reduce took (ms), and the spans of the controller's clock the simulator charged to
+    its host's workers meanwhile, each as (start, end) in ms from the reduce's start and the share of that
+    span the controller's threads computed, as the simulator measured it (the wait is one span, the next
+    cell's few Python lines another)."""
     from monarch.runtime.simulator import devices
 
     cpu = dataclasses.replace(
         devices.DEVICES["cpu"], op_overhead=0.0, dispatch=1e-6, intra_latency=20e-3, controller_load=load
     )
     sim = monarch.Simulator(hosts=1, gpus=2, device=cpu)
-    workers, shares = sim._backend.workers, []
+    workers, spans = sim._backend.workers, []
     busy = workers.controller_busy
-    workers.controller_busy = lambda t0, t1, share=1.0: (shares.append(share), busy(t0, t1, share))[1]
+    workers.controller_busy = lambda t0, t1, share=1.0: (spans.append((t0, t1, share)), busy(t0, t1, share))[1]
     gc.collect()
     gc.disable()  # (a collection of a long test run's heap on this thread would count as the controller's CPU)
     try:
         with sim.mesh.activate():
             g = torch.ones(256)
             g.reduce_("gpu", "sum")
-        sent = sim.time
-        shares.clear()
+        spans.clear()
         wait(0.03)
         with sim.mesh.activate():
             g.add_(1)
-        gap = sim.time - sent
-        share = shares[0] if shares else 0.0  # (asked only where it slows the workers: controller_load > 1)
     finally:
         gc.enable()
     monarch.inspect(g)
     (reduce,) = [e for e in sim._backend.workers.events if e.name.startswith("all_reduce")]
     sim.exit()
-    return 1e3 * float(reduce.end[0] - reduce.start[0]), 1e3 * gap, share
+    start = float(reduce.start[0])  # (the reduce began as it was sent: what came before does not slow it)
+    took = 1e3 * (float(reduce.end[0]) - start)
+    return took, [(1e3 * max(a - start, 0.0), 1e3 * max(b - start, 0.0), c) for a, b, c in spans]
 
 
 def _spin(seconds: float) -> None:
@@ -603,30 +605,41 @@ def _on_another_thread(seconds: float) -> None:
     t.join()
 
 
-def _slowed(gap: float, share: float) -> float:
-    """How long the 40 ms reduce takes (ms) at `controller_load` 2 beside `gap` ms of the controller's Python
-    that computed for `share` of it: it progresses 1 + `share` times slower meanwhile."""
-    f = 1 + share
-    return 40 + min(gap, 40 * f) * (1 - 1 / f)
+def _slowed(spans: list[tuple[float, float, float]]) -> float:
+    """How long the 40 ms reduce, sent at 0, takes (ms) at `controller_load` 2 beside `spans` of the controller's
+    Python (start, end in ms; the share of it that computed): it progresses 1 + share times slower in each."""
+    now = done = 0.0
+    for start, end, share in [*spans, (math.inf, math.inf, 0.0)]:
+        for length, rate in ((start - now, 1.0), (end - start, 1 / (1 + share))):
+            if done + length * rate >= 40:
+                return now + (40 - done) / rate
+            done, now = done + length * rate, now + length
+    raise AssertionError("unreachable: the last span is endless")
+
+
+def _cpu(spans: list[tuple[float, float, float]]) -> float:
+    """Ms of CPU the controller's threads spent over `spans`."""
+    return sum((end - start) * share for start, end, share in spans)
 
 
 def test_on_a_cpu_the_controllers_python_slows_down_the_workers_of_its_host():
-    alone, _, _ = _beside_the_controller(_spin, 1.0)
+    alone, _ = _beside_the_controller(_spin, 1.0)
     assert alone == pytest.approx(40, abs=0.1)
     # Twice as slow while the controller computes with all of a core: the reduce made half its progress for
-    # `gap` ms. The share of a core the computing thread gets is the machine's business (less than all of it on
-    # a loaded machine): the slowdown follows the share the simulator measured.
-    took, gap, share = _beside_the_controller(_spin, 2.0)
+    # as long as it computed. The share of a core the computing thread gets is the machine's business (less than
+    # all of it on a loaded machine): the slowdown follows the share the simulator measured, span by span.
+    took, spans = _beside_the_controller(_spin, 2.0)
+    gap, (_, _, share) = spans[-1][1], spans[0]
     print(f"reduce alone {alone:.1f} ms; beside {gap:.1f} ms of the controller's Python ({share:.2f}): {took:.1f} ms")
-    assert gap > 25 and 0 < share <= 1 and took == pytest.approx(_slowed(gap, share), abs=0.5)
+    assert gap > 25 and 0 < share <= 1 and took == pytest.approx(_slowed(spans), abs=0.5), spans
     # a controller that waits takes no core: it computed for far less than the one above (CPU time, not wall)
-    slept, idle_gap, idle = _beside_the_controller(time.sleep, 2.0)
-    assert slept == pytest.approx(_slowed(idle_gap, idle), abs=0.5) and idle * idle_gap < share * gap / 2
+    slept, idle = _beside_the_controller(time.sleep, 2.0)
+    assert slept == pytest.approx(_slowed(idle), abs=0.5) and _cpu(idle) < _cpu(spans) / 2, (idle, spans)
     # the program's Python on a helper thread while the sending one waits for it (`grad_generator`'s autograd)
     # takes the cores just as well: all of its CPU time counts (and no other thread's: the sleep above counted
     # nothing of what the rest of this process did meanwhile)
-    took, side_gap, side = _beside_the_controller(_on_another_thread, 2.0)
-    assert side * side_gap >= 29 and took == pytest.approx(_slowed(side_gap, side), abs=0.5)
+    took, side = _beside_the_controller(_on_another_thread, 2.0)
+    assert _cpu(side) >= 29 and took == pytest.approx(_slowed(side), abs=0.5), side
     # GPU workers do not share the controller's cores
     from monarch.runtime.simulator import devices
 
