@@ -20,6 +20,7 @@ import torch
 import monarch
 import monarch.notebook
 from monarch.actor import this_host
+from monarch.runtime.common.processes import batches, usable_cpus
 
 from conftest import pid_alive, say_started, started, wait_for, wait_gone, worker_pids
 from helpers.agent_job import AgentJob
@@ -81,6 +82,14 @@ def test_a_mesh_on_two_hosts_runs_collectives_over_host_and_gpu(job, mesh):
     for pid in job.pids:
         with open(f"/proc/{pid}/maps") as f:
             assert "libtorch" not in f.read()
+    # an agent's workers run as SCHED_BATCH where they and the agent outnumber the host's CPUs (2 workers a host)
+    want = os.SCHED_BATCH if batches(2, usable_cpus()) else os.SCHED_OTHER
+    assert policy.on(mesh)().values() == [want] * 4
+
+
+@monarch.remote
+def policy() -> int:
+    return os.sched_getscheduler(0)
 
 
 @monarch.remote

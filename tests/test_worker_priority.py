@@ -1,9 +1,9 @@
-"""Local workers' use of the CPU: their priority below the controller's (`MONARCH_WORKER_NICE`), and polling
-for the next command before sleeping (`MONARCH_WORKER_SPIN_US`).
+"""Local workers' use of the CPU: their priority below the controller's (`MONARCH_WORKER_NICE`), polling
+for the next command before sleeping (`MONARCH_WORKER_SPIN_US`), and `SCHED_BATCH` where they outnumber the cores.
 
 Checked on real workers: each worker's nice value (its main thread's, and a thread it starts later), its
 session's autogroup where Linux has them, and that the controller's own priority is left alone; whether
-workers poll, from the CPUs the controller may use when it spawns them.
+workers poll and whether they run as `SCHED_BATCH`, from the CPUs the controller may use when it spawns them.
 """
 
 import os
@@ -61,17 +61,27 @@ def test_local_workers_run_nice_steps_below_the_controller(nice):
 
 
 @monarch.remote
-def lane_spin():
+def how_it_waits():
     from monarch.runtime.worker import worker
 
-    return worker.current.transport.lane.spin
+    got: dict = {"spin": worker.current.transport.lane.spin}
+    t = threading.Thread(target=lambda: got.setdefault("thread", os.sched_getscheduler(0)))
+    t.start()
+    t.join()
+    got["main"] = os.sched_getscheduler(0)
+    return got
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
-@pytest.mark.parametrize("cpus, setting, want", [(2, 0.0003, 0.0003), (1, 0.0003, 0.0), (2, 0.0, 0.0)])
-def test_local_workers_poll_for_commands_only_with_a_cpu_each_beside_the_controller(cpus, setting, want):
-    """One worker and the controller on 2 CPUs: it polls for `MONARCH_WORKER_SPIN_US`; on 1 CPU, or with the
-    setting 0, it sleeps at once (it would take the CPU from the controller that sends it work)."""
+@pytest.mark.parametrize(
+    "cpus, setting, spin, policy",
+    [(2, 0.0003, 0.0003, os.SCHED_OTHER), (1, 0.0003, 0.0, os.SCHED_BATCH), (2, 0.0, 0.0, os.SCHED_OTHER)],
+)
+def test_local_workers_poll_with_a_cpu_each_and_run_as_batch_where_they_outnumber_the_cpus(cpus, setting, spin, policy):
+    """One worker and the controller on 2 CPUs: it polls for `MONARCH_WORKER_SPIN_US` under the default policy; on
+    1 CPU it sleeps at once (it would take the CPU from the controller that sends it work) and runs as
+    `SCHED_BATCH`, its main thread and a thread it starts later (its waking does not preempt the controller); with
+    the setting 0 it sleeps at once. The controller's own policy is left alone."""
     mine = os.sched_getaffinity(0)
     ctl = Controller(Settings(worker_spin=setting))
     try:
@@ -82,17 +92,20 @@ def test_local_workers_poll_for_commands_only_with_a_cpu_each_beside_the_control
             os.sched_setaffinity(0, mine)
         mesh = ProcMesh(spawned, spawned.shape)
         pids = [i["pid"] for i in spawned.info]
-        assert lane_spin.on(mesh)().values() == [want]
+        assert how_it_waits.on(mesh)().values() == [{"spin": spin, "main": policy, "thread": policy}]
         mesh.exit()
     finally:
         ctl.shutdown()
     assert wait_gone(pids) == []
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
 
 
 def test_how_many_local_workers_may_poll_for_the_cores_there_are():
     from monarch.runtime.backends.local import spins
+    from monarch.runtime.common.processes import batches
 
     assert spins(1, 2) and not spins(1, 1) and spins(8, 9) and not spins(8, 8)  # a core each, the controller's too
+    assert batches(1, 1) and batches(64, 2) and not batches(1, 2) and not batches(8, 9)  # CPUs: the others' complement
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from monarch.runtime.agent.rack import RackLeader
 from monarch.runtime.agent.relay import Relay
 from monarch.runtime.common.config import Settings
 from monarch.runtime.common.log import RateLimitedLog
+from monarch.runtime.common.processes import batches, usable_cpus
 from monarch.runtime.procs.jobfiles import AgentRecord, JobDir, Manifest, Secret
 from monarch.runtime.procs.workers import WorkerProcs, fork_server_pid, private_dir, warm_fork_server
 from monarch.runtime.wire import codec, protocol
@@ -278,6 +279,7 @@ class Agent:
         sys_path = ([self.cfg.workspace] if self.cfg.workspace else []) + list(sys.path)
         sys_path += [p for p in msg.sys_path if p not in sys_path and os.path.isdir(p)]  # (a shared home's)
         addrs = (self.relay.local["cmd"], reply, self.relay.local["store"])
+        batch = batches(local, usable_cpus())
         for rank, coords, label, local_rank, (key, mesh_topic, rank_topic) in msg.starts:
             keys = WorkerKeys(msg.mesh_id, rank, key, mesh_topic, rank_topic, *addrs)
             env = dict(base, RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(msg.size),
@@ -285,6 +287,7 @@ class Agent:
             cfg = protocol.WorkerStart(
                 keys, coords, msg.sizes, local_rank, label, path, env, cwd, sys_path, threads, fork_server_pid(),
                 os.getpid(), msg.group_timeout, 0,  # (no controller on this host to yield to)
+                batch=batch,
             )  # fmt: skip
             try:
                 self.procs.fork(msg.mesh_id, rank, cfg)

@@ -22,8 +22,8 @@ from monarch.runtime.backends.base import Backend, LostCallback
 from monarch.runtime.common import context, groups, limits, log
 from monarch.runtime.common.config import Settings
 from monarch.runtime.common.errors import exit_cause
+from monarch.runtime.common.processes import batches, usable_cores, usable_cpus
 from monarch.runtime.common.processes import proc_state as _proc_state
-from monarch.runtime.common.processes import usable_cores
 from monarch.runtime.common.shape import Shape
 from monarch.runtime.procs.workers import (
     WorkerProcs,
@@ -129,7 +129,7 @@ class LocalBackend(Backend):
                 cfg = protocol.WorkerStart(
                     keys[rank], coords, shape.size_dict, rank, labels[rank], path, wenv, os.getcwd(), list(sys.path),
                     threads, fork_server_pid(torch), os.getpid(), self.settings.group_timeout,
-                    self.settings.worker_nice, spin, torch,
+                    self.settings.worker_nice, spin, batches(n, usable_cpus()), torch,
                 )  # fmt: skip
                 self.procs.fork(mesh_id, rank, cfg)
             exits = lambda: {r: exit_cause(c) for r, c in self.procs.exited(mesh_id).items()}  # noqa: E731

@@ -46,6 +46,9 @@ class WorkerStart:
     spin: float = 0.0
     """Seconds the worker polls its lane for the next command before it sleeps (0: it sleeps at once); see
     `config.Settings.worker_spin`."""
+    batch: bool = False
+    """Run as `SCHED_BATCH` (a host with fewer CPUs than its workers and the process feeding them): a thread of
+    the worker that is woken does not preempt what is running; see `common.processes.batches`."""
     torch: bool = True
     """Set torch up at start (threads, seed, device, the mesh's default process group). False for a mesh of a
     program that has not imported torch: it runs actors at once, and sets torch up when the controller first
