@@ -69,6 +69,7 @@ def how_it_waits():
     t.start()
     t.join()
     got["main"] = os.sched_getscheduler(0)
+    got["all"] = sorted({os.sched_getscheduler(int(tid)) for tid in os.listdir("/proc/self/task")})
     return got
 
 
@@ -80,7 +81,8 @@ def how_it_waits():
 def test_local_workers_poll_with_a_cpu_each_and_run_as_batch_where_they_outnumber_the_cpus(cpus, setting, spin, policy):
     """One worker and the controller on 2 CPUs: it polls for `MONARCH_WORKER_SPIN_US` under the default policy; on
     1 CPU it sleeps at once (it would take the CPU from the controller that sends it work) and runs as
-    `SCHED_BATCH`, its main thread and a thread it starts later (its waking does not preempt the controller); with
+    `SCHED_BATCH`, every thread of it, those it started while it set up and a thread it starts later (its waking
+    does not preempt the controller); with
     the setting 0 it sleeps at once. The controller's own policy is left alone."""
     mine = os.sched_getaffinity(0)
     ctl = Controller(Settings(worker_spin=setting))
@@ -92,7 +94,8 @@ def test_local_workers_poll_with_a_cpu_each_and_run_as_batch_where_they_outnumbe
             os.sched_setaffinity(0, mine)
         mesh = ProcMesh(spawned, spawned.shape)
         pids = [i["pid"] for i in spawned.info]
-        assert how_it_waits.on(mesh)().values() == [{"spin": spin, "main": policy, "thread": policy}]
+        want = {"spin": spin, "main": policy, "thread": policy, "all": [policy]}
+        assert how_it_waits.on(mesh)().values() == [want]
         mesh.exit()
     finally:
         ctl.shutdown()

@@ -26,8 +26,6 @@ def run(cfg: Any) -> None:
     _exit_with_controller(cfg.controller_pid)
     os.setsid()  # terminal Ctrl-C goes to the controller, which forwards interrupts
     yield_to_controller(cfg.nice)
-    if cfg.batch:
-        run_as_batch()
     name_process(f"monarch worker {cfg.label} mesh {cfg.keys.mesh_id}", f"monarch {cfg.label}")
     os.environ.update(cfg.env)
     from monarch.runtime.common import log
@@ -38,16 +36,6 @@ def run(cfg: Any) -> None:
     from monarch.runtime.worker.worker import Worker
 
     Worker(cfg).run()
-
-
-def run_as_batch() -> None:
-    """Schedule this thread, and the threads it starts, as `SCHED_BATCH` (`processes.batches` says where): a thread
-    of the worker woken by a command, a peer or its own stream waits for the running one to block or use up its
-    turn instead of preempting it. It shares the CPUs as fairly as before; only wake-up preemption is gone."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass  # (not Linux, or not allowed: the default policy)
 
 
 def yield_to_controller(nice: int) -> None:

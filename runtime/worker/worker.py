@@ -27,6 +27,7 @@ from typing import Any
 import cloudpickle
 
 from monarch.runtime.common import context, errors, log, ports
+from monarch.runtime.common.processes import run_as_batch
 from monarch.runtime.common.shape import Shape
 from monarch.runtime.wire import codec, protocol
 from monarch.runtime.wire.store import store_client
@@ -180,6 +181,8 @@ class Worker:
             self.transport.hello(protocol.StartFailed(traceback.format_exc()))
             self._close()
             return
+        if self.cfg.batch:  # (once set up: see `run_as_batch`)
+            run_as_batch()
         handlers = self.handlers
         said_ready = False
         while True:
