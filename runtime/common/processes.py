@@ -46,10 +46,17 @@ def run_as_batch() -> None:
     store per key) is a chain of wake-ups that would each wait out a running worker's turn (a mesh's spawn and
     first op took 5-10% longer)."""
     try:
-        for tid in os.listdir("/proc/self/task"):
-            os.sched_setscheduler(int(tid), os.SCHED_BATCH, os.sched_param(0))
+        tids = os.listdir("/proc/self/task")
+        policy, param = os.SCHED_BATCH, os.sched_param(0)
     except (AttributeError, OSError):
-        pass  # (not Linux, or not allowed: the default policy)
+        return  # (not Linux: the default policy)
+    for tid in tids:
+        try:
+            os.sched_setscheduler(int(tid), policy, param)
+        except ProcessLookupError:
+            continue  # (a thread that has ended since the listing)
+        except OSError:
+            return  # (not allowed: the default policy)
 
 
 def proc_state(pid: int | None) -> str | None:
