@@ -418,6 +418,81 @@ def test_on_a_cpu_where_a_reduce_beside_compute_stalls_it_begins_after_the_op_ru
     assert below["all_reduce (sum)"][0] < below["aten::mm"][1] - 15  # below it: begins when woken, as before
 
 
+def test_on_a_cpu_a_stalled_side_stream_begins_after_waiting_its_turn_for_a_core():
+    """Where a collective beside compute stalls, a side stream's thread given a reduce while main computes
+    waits `side_wait` for a core (the scheduler's turn), then shares the cores with main's next op; until then
+    main's ops run at full speed. A short wait is the stalled model above; a longer one than main's compute
+    leaves the reduce to main's drop (no overlap)."""
+    from monarch.runtime.simulator.devices import STALLED
+
+    stalled = dict(compute_contention=2.0, comm_contention=STALLED, handoff=3e-3)
+    soon = _overlapped(matmuls=2, side_wait=5e-3, **stalled)  # (queued at 1.5 ms: its turn comes in the first)
+    (r0, r1), (m0, m1) = soon["all_reduce (sum)"], soon["aten::mm"]
+    assert r0 == pytest.approx(m0, abs=0.05) and m1 - m0 == pytest.approx(20, abs=0.1)  # the second one shares
+    late = _overlapped(matmuls=2, side_wait=15e-3, **stalled)  # (after the first matmul: not its turn yet)
+    (r0, r1), (m0, m1), (a0, _) = late["all_reduce (sum)"], late["aten::mm"], late["aten::add_.Tensor"]
+    assert m1 - m0 == pytest.approx(10, abs=0.1) and r0 == pytest.approx(m1, abs=0.05)  # neither matmul slowed
+    assert r1 - r0 == pytest.approx(40, abs=0.5) and a0 == pytest.approx(r1 + 1.5, abs=0.05)
+
+    # a profile saved before `side_wait` was measured: the stalled model as it was
+    def since_first(events: dict) -> list:  # (the controller's clock starts the first op a little later each run)
+        t = events["aten::ones"][0]
+        return [(k, round(a - t, 6), round(b - t, 6)) for k, (a, b) in sorted(events.items())]
+
+    assert since_first(_overlapped(matmuls=2, **stalled)) == since_first(
+        _overlapped(matmuls=2, side_wait=0.0, **stalled)
+    )
+
+
+def test_on_a_cpu_ranks_meet_further_apart_while_the_controller_computes_beside_them():
+    """A collective after compute costs `reduce_in_step` beyond its own time (its ranks arrive apart), and
+    toward `reduce_in_step_loaded` by the share of the span since the ranks' last collective that the
+    controller computed on their host, as its recent spans of Python say (what it does beside the ranks' compute
+    mostly comes after it issued the collective)."""
+    from monarch.runtime.simulator import devices
+
+    def extra(wait) -> tuple[float, float]:
+        cpu = dataclasses.replace(
+            devices.DEVICES["cpu"], flops={"default": 3.3554432e9}, efficiency=1.0, op_overhead=0.0,
+            dispatch=1e-6, intra_latency=20e-3, reduce_in_step=[[0.01, 1e-3]],
+            reduce_in_step_loaded=[[0.01, 4e-3]],
+        )  # fmt: skip
+        sim = monarch.Simulator(hosts=1, gpus=2, device=cpu)
+        workers, spans = sim._backend.workers, []
+        busy = workers.controller_busy
+        workers.controller_busy = lambda t0, t1, share=1.0: (spans.append((t0, t1, share)), busy(t0, t1, share))[1]
+        gc.collect()
+        gc.disable()  # (a collection of the test run's heap would count as the controller's CPU)
+        try:
+            with sim.mesh.activate():
+                g, a = torch.ones(256), torch.rand(256, 256)
+                g.reduce_("gpu", "sum")
+                b = a @ a  # noqa: F841  (10 ms of compute since that collective)
+            start = sim.time
+            spans.clear()
+            wait(0.03)
+            with sim.mesh.activate():
+                g.reduce_("gpu", "sum")
+        finally:
+            gc.enable()
+        monarch.inspect(g)
+        last = [e for e in workers.events if e.name.startswith("all_reduce")][-1]
+        sim.exit()
+        took = float(last.end[0] - last.start[0]) - 2 * 20e-3  # (a ring of 2: two steps of latency)
+        # the controller's share of the span before it sent the reduce, as long as the ranks' span since
+        # their last collective (the whole window: the ranks met before it began)
+        cpu_s = sum((b - max(a, start)) * c for a, b, c in spans if b > start)
+        return 1e3 * took, cpu_s / (spans[-1][1] - start)
+
+    slept, idle = extra(time.sleep)
+    spun, share = extra(_spin)
+    print(
+        f"extra after 10 ms of compute: controller asleep {slept:.2f} ms ({idle:.2f}), spinning {spun:.2f} ({share:.2f})"
+    )
+    assert idle < 0.2 and idle + 0.2 < share <= 1.0  # (a loaded machine gives the spinning thread less than a core)
+    assert slept == pytest.approx(1 + 3 * idle, abs=0.1) and spun == pytest.approx(1 + 3 * share, abs=0.3)
+
+
 def test_on_a_cpu_a_batch_is_decoded_on_arrival_and_the_ops_after_a_reduce_pay_for_the_wait():
     """A worker decodes a whole batch before its first command (`decode` per command), and on a CPU worker the
     first op after a reduce its command thread ran loses `after_reduce`; the first op on main beside a side
@@ -674,6 +749,13 @@ def test_calibration_measures_this_machine_and_the_simulator_uses_it(tmp_path, m
         assert [b for b, _ in cold] == sorted(b for b, _ in cold) and len(cold) == 4
         assert all(x >= 0 for _, x in cold)
         print("controller load:", saved["controller_load"])
+        # the same with another process computing beside them (the controller's Python in a step), at the same
+        # computes; and how long a side stream's reduce waited for a core while main computed
+        loaded = saved["reduce_in_step_loaded"]
+        print("reduce in step, loaded (ms):", [[round(1e3 * c, 3), round(1e3 * x, 3)] for c, x in loaded])
+        assert len(loaded) == 4 and all(c > 0 and x >= 0 for c, x in loaded)
+        print("side stream's wait for a core (ms):", 1e3 * saved["side_wait"])
+        assert saved["side_wait"] >= 0
     # the engine's own cost per reduce (over one rank), and each op of the sample step beyond a tiny add_
     # (measured less the round trip, clamped at 0: on a loaded machine a quick calibration can read 0)
     assert all(isinstance(v, (int, float)) for v in (saved["reduce_overhead"], saved["measured"]["one_rank_reduce"]))
@@ -720,7 +802,7 @@ def test_two_calibrations_in_a_row_agree_within_the_spread_each_reports(tmp_path
             return p.flops["float32"]
         if key == "op_extra":
             return sum(p.op_extra.values())
-        if key in ("reduce_in_step", "cold_ops"):
+        if key in ("reduce_in_step", "reduce_in_step_loaded", "cold_ops"):
             return sum(x for _, x in getattr(p, key))
         return statistics.median(p.measured["steps"]) if key == "step" else getattr(p, key)
 
@@ -732,7 +814,7 @@ def test_two_calibrations_in_a_row_agree_within_the_spread_each_reports(tmp_path
         for k in keys:  # the spread is each figure's range across the passes over its median
             r = p.measured["range"][k]
             assert (r == 0) == (p.spread[k] == 0), k
-            if k not in ("op_extra", "reduce_in_step", "cold_ops") and value(
+            if k not in ("op_extra", "reduce_in_step", "reduce_in_step_loaded", "cold_ops") and value(
                 p, k
             ):  # (these: the passes' sums, over their median)
                 assert p.spread[k] == pytest.approx(r / abs(value(p, k))), k

@@ -84,7 +84,7 @@ class SimBackend(Backend):
     def _enter(self) -> None:
         elapsed = time.perf_counter() - self._mark
         start, self.clock = self.clock, self._advance(elapsed)
-        if self.workers is not None and self.workers.loaded and elapsed > 0:
+        if self.workers is not None and self.workers.watched and elapsed > 0:
             self.workers.controller_busy(start, self.clock, self._cpu_share(elapsed))
 
     def _advance(self, elapsed: float) -> float:

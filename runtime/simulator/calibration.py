@@ -41,6 +41,8 @@ SMALL = 256
 """Floats in the small reduce (its time is mostly latency)."""
 
 
+CURVES = ("reduce_in_step", "reduce_in_step_loaded", "cold_ops")
+"""A profile's figures that are lists of measured points ([[x, y], ...])."""
 PASSES = 3
 """Times `calibrate()` measures everything, one pass after another; each figure is the median of its passes."""
 
@@ -145,7 +147,13 @@ def _one_pass(mesh, n: int, gpus: int, quick: bool) -> DeviceProfile:
     shared_cores = n > 1 and not gpus  # (CPU workers: compute, reduces and threads contend; gloo's ring)
     comm = [_engine_reduces(mesh, rtt, quick, one_element=shared_cores)] if n > 1 else []
     handoff = _handoff(mesh, quick) if shared_cores else 0.0
+    side_wait = _side_wait(mesh, quick) if shared_cores else 0.0
     in_step = _reduce_in_step(mesh, rtt, quick) if shared_cores else []
+    if shared_cores:
+        with _spinning():
+            loaded = _reduce_in_step(mesh, rtt, quick)
+    else:
+        loaded = []
     slowdown = 1.0 if gpus else _controller_slowdown(mesh, quick)
     load = _controller_load(mesh, rtt, quick) if shared_cores else 1.0
     one_rank = _one_rank_reduce(mesh, rtt, quick)
@@ -194,11 +202,13 @@ def _one_pass(mesh, n: int, gpus: int, quick: bool) -> DeviceProfile:
         compute_contention=med("contention_compute") if shared_cores else 1.0,
         comm_contention=med("contention_comm") if shared_cores else 1.0,
         handoff=handoff,
+        side_wait=side_wait,
         after_reduce=after_reduce,
         beside_reduce=beside_reduce,
         decode=decode,
         reduce_floor=statistics.median(c["1"] for c in comm) if shared_cores else 0.0,
         reduce_in_step=in_step,
+        reduce_in_step_loaded=loaded,
         cold_ops=_per_point(per_rank, "cold_ops"),
         op_extra=extra,
         reduce_overhead=reduce_overhead,
@@ -243,7 +253,7 @@ def _combine(profiles: list[DeviceProfile], steps: list[float] | None = None) ->
     each["op_extra"] = [sum(p.op_extra.values()) for p in profiles]
     flops = statistics.median(p.flops["float32"] for p in profiles)
     values["flops"] = {"float32": flops, "default": flops}
-    for key in ("reduce_in_step", "cold_ops"):  # ([[x, y], ...]: each point's median; spread of the ys' sums)
+    for key in CURVES:  # ([[x, y], ...]: each point's median; spread of the ys' sums)
         points = [getattr(p, key) for p in profiles]
         if points[0] and all(len(ps) == len(points[0]) for ps in points):
             values[key] = [
@@ -534,6 +544,55 @@ def _handoff(mesh, quick: bool) -> float:
         by = dict(took)
         extra.append((by[handed] - by[back_to_back]) / (k - 1))
     return max(statistics.median(extra), 0.0)
+
+
+SIDE_WAIT_MATMULS = 60
+"""`_side_wait`'s compute on main beside a side stream's reduce: this many 128x128 matmuls (on 4 workers sharing
+2 cores about 4 ms: several turns of the scheduler)."""
+
+
+def _side_wait(mesh, quick: bool) -> float:
+    """Seconds a side stream's reduce waits to begin while its worker's main thread computes: a borrow, a small
+    reduce on the side stream, `SIDE_WAIT_MATMULS` matmuls on main, the drop, as a step reduces gradients
+    beside its backward. Each command is timed on every worker (the engine's `around` hook); the figure is
+    the mean over ranks and repeats of the reduce's start less the borrow's end (what a step's overlap
+    follows: a wait of a scheduler's turn or two, the odd one far longer; a reduce that began only when main
+    waited at the drop counts up to there)."""
+    import torch
+
+    from monarch.runtime.fetch import inspect
+    from monarch.runtime.tensor.streams import Stream
+
+    k = 8 if quick else 24
+    dim = mesh.names[0]
+    side = Stream("calibrate-side")
+    with mesh.activate():
+        a, t = torch.rand(128, 128), torch.ones(SMALL)
+        alias, borrow = side.borrow(t, mutable=True)
+        with side.activate():
+            alias.reduce_(dim, "sum")  # (warm: the stream's thread and its group)
+        borrow.drop()
+    inspect(t)
+    RemoteFunction.by_name(WORKER, "time_ops", mesh).call_async().result()
+    try:
+        with mesh.activate():
+            for _ in range(k):
+                alias, borrow = side.borrow(t, mutable=True)
+                with side.activate():
+                    alias.reduce_(dim, "sum")
+                for _ in range(SIDE_WAIT_MATMULS):
+                    b = a @ a  # noqa: F841  (dropped at once, as a backward's intermediates go)
+                borrow.drop()
+        inspect(t)
+    finally:
+        per_rank = RemoteFunction.by_name(WORKER, "timed_ops", mesh).call_async().result().values()
+    waits = []
+    for cmds in per_rank:
+        cmds = sorted(cmds, key=lambda c: c[1])
+        borrowed = [end for name, _, end in cmds if name == "BorrowStart"]
+        begun = [start for name, start, _ in cmds if name == "Reduce"]
+        waits += [b - q for q, b in zip(borrowed, begun)]
+    return max(statistics.fmean(waits), 0.0) if waits else 0.0
 
 
 IN_STEP_MATMULS = (1, 10, 30, 100)

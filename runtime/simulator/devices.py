@@ -20,10 +20,11 @@ from monarch.runtime.common import config
 STEERING = (
     "op_overhead", "op_extra", "dispatch", "decode", "intra_latency", "reduce_floor", "reduce_overhead",
     "handoff", "after_reduce", "beside_reduce", "wire_latency", "fetch_latency", "controller_slowdown",
-    "controller_load", "compute_contention", "flops", "mem_bw", "reduce_in_step", "cold_ops",
+    "controller_load", "compute_contention", "flops", "mem_bw", "reduce_in_step", "cold_ops", "side_wait",
+    "reduce_in_step_loaded",
 )  # fmt: skip
 """The figures a simulated step's time follows (`op_extra`: the sum over the sample step's ops; `flops`:
-float32's; `reduce_in_step`, `cold_ops`: their extras' sums), whose spread across passes `calibrate()` keeps."""
+float32's; `reduce_in_step`, `reduce_in_step_loaded`, `cold_ops`: their extras' sums), whose spread across passes `calibrate()` keeps."""
 STALLED = 10.0
 """A `comm_contention` this high or higher: a collective beside compute made next to no progress (a worker's
 stream thread got no core while its main thread computed); the simulator then begins a side stream's command
@@ -81,6 +82,12 @@ class DeviceProfile:
     comm_contention: float = 1.0
     """How many times longer a collective takes while its worker's main stream computes (on a CPU a ring
     waits for every worker's turn on the cores); measured by `calibrate()`."""
+    side_wait: float = 0.0
+    """Where a collective beside compute stalls (`STALLED`): seconds a CPU worker's side stream thread, given
+    a command while its main thread computes, waits for a core before it begins it (the scheduler's turn on
+    cores the host's threads outnumber: no wake-up preempts a `SCHED_BATCH` thread); it begins sooner if main
+    pauses longer than a wake. Sets how much of a step's reduces overlap its backward. 0: at the end of the op
+    main was running; measured by `calibrate()`."""
     handoff: float = 0.0
     """Seconds a CPU worker's main thread loses each time it waits for a side stream (a borrow's drop): it
     is woken, then wakes that stream's thread with the next command. Long on busy cores; measured by
@@ -113,6 +120,12 @@ class DeviceProfile:
     as a step's gradients do (workers sharing cores arrive in turns, and gather from sleep and cold caches:
     the longer the compute, the more it costs); interpolated between the points, none after no compute;
     measured by `calibrate()` (empty: none)."""
+    reduce_in_step_loaded: list = field(default_factory=list)
+    """`reduce_in_step` measured with another process computing on the host meanwhile, as the controller runs a
+    step's Python (autograd, issuing) beside its workers: the core it takes slows some ranks more than others,
+    so they reach a collective further apart (on 2 cores, 4 workers: about 2 ms after 4 ms of compute,
+    against 0.3 with the host otherwise idle). The model blends it in by the controller's CPU share since the
+    ranks' last collective; measured by `calibrate()` (empty: `reduce_in_step` alone)."""
     cold_ops: list = field(default_factory=list)
     """``[[bytes, extra], ...]`` (bytes ascending): seconds an op on a CPU worker costs beyond its figures when
     the ops just before it (`model.COLD_WINDOW` of them) moved ``bytes`` in all: more than the caches hold

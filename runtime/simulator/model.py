@@ -18,7 +18,8 @@ a real trace. On a CPU, compute on the main stream and a side stream's work that
 and slow each other down, by factors `calibrate()` measures (`SimWorkers._share`); where it found that a
 collective beside compute made no progress (`devices.STALLED`), a side stream's command that main's op
 found not begun begins when that op ends (`_postpone`: a woken stream thread got no core meanwhile), a
-collective's end moving on every rank of its group with its last arrival; and a collective costs the
+collective's end moving on every rank of its group with its last arrival, until the thread has waited the
+calibrated `side_wait` for a core, or main paused longer than a wake (`_begun`); and a collective costs the
 calibrated `reduce_in_step` at the compute its ranks ran since their last one; an op pays the calibrated
 `cold_ops` at the bytes its rank's last `COLD_WINDOW` ops moved (what they evicted from the caches).
 Memory: a result that does not alias an input is an allocation (at its op's start; on a GPU when the
@@ -47,6 +48,8 @@ from monarch.runtime.simulator.devices import STALLED, DeviceProfile
 from monarch.runtime.wire import protocol as P
 from monarch.runtime.wire.protocol import Ref
 
+BUSY_KEPT = 0.5
+"""Seconds of the controller's recent spans of Python `SimWorkers` keeps (how far back `_apart` looks)."""
 COLD_WINDOW = 5
 """The ops before an op whose bytes `cold_ops` follows (calibration's runs of small ops after a copy are this long)."""
 
@@ -75,6 +78,9 @@ class Event:
     sync: list[np.ndarray] | None = None
     """A side stream's collective: its groups (arrays whose rows are a group's ranks), each of which ends
     together, when its last rank is there plus the collective's time (kept: an arrival may move)."""
+    queued: np.ndarray | None = None
+    """A side stream's command where its thread gets no core beside compute (`SimWorkers.defer`): per rank,
+    when it could first have begun (before `_postpone` moved it)."""
 
 
 @dataclass
@@ -149,6 +155,17 @@ class SimWorkers:
             np.array([0.0, *(x for _, x in dev.reduce_in_step)]),
         ) if self.inline and dev.reduce_in_step else None  # fmt: skip
         """`reduce_in_step`'s points, from none after no compute (CPU workers)."""
+        self.in_step_loaded = (
+            np.array([0.0, *(c for c, _ in dev.reduce_in_step_loaded)]),
+            np.array([0.0, *(x for _, x in dev.reduce_in_step_loaded)]),
+        ) if self.in_step is not None and dev.reduce_in_step_loaded and self.local.any() else None  # fmt: skip
+        """`reduce_in_step_loaded`'s points (CPU workers on the controller's host)."""
+        self.watched = self.loaded or self.in_step_loaded is not None
+        """The controller's spans of Python matter here (`controller_busy`)."""
+        self.met_at = np.zeros(size)
+        """Per rank: when it met its group at its last collective (the span `_apart` asks about)."""
+        self.busy: list[tuple[float, float, float]] = []
+        """The controller's spans of Python, (start, end, CPU share), of its last `BUSY_KEPT` seconds."""
         self.cold = (
             np.array([0.0, *(b for b, _ in dev.cold_ops)]),
             np.array([0.0, *(x for _, x in dev.cold_ops)]),
@@ -220,6 +237,8 @@ class SimWorkers:
         self.events.append(ev)
         if ev.stream != 0 and self.sharing:
             self.open.setdefault(ev.stream, []).append(ev)
+            if self.defer:
+                ev.queued = ev.start.copy()
         if self.loaded:
             self.ahead.append(ev)
 
@@ -235,6 +254,10 @@ class SimWorkers:
         Calibrated as a whole-host reduce's slowdown while another process computes: a step's reduces
         during the backward pass run beside the controller issuing the rest of the step."""
         took = t1 - t0
+        if self.in_step_loaded is not None and took > 0:
+            self.busy.append((t0, t1, max(0.0, min(share, 1.0))))
+            if self.busy[0][1] < t1 - BUSY_KEPT:
+                self.busy = [b for b in self.busy if b[1] >= t1 - BUSY_KEPT]
         f = 1.0 + (self.dev.controller_load - 1.0) * max(0.0, min(share, 1.0))
         if took <= 0 or f <= 1.0:
             return
@@ -287,13 +310,17 @@ class SimWorkers:
         return out
 
     def _begun(self, sid: int, idx: np.ndarray, at: np.ndarray) -> np.ndarray:
-        """Per rank of `idx`: whether stream `sid` is inside a command at `at` (it began before, ends after)."""
+        """Per rank of `idx`: whether stream `sid`'s thread is inside a command when main begins an op at
+        `at`: it ends after `at`, and began while main paused longer than a wake (half the hand-over), or by
+        `at` after waiting `side_wait` for a core since it was queued."""
         when = np.full(self.size, np.nan)
         when[idx] = at
         inside = np.zeros(self.size, dtype=bool)
+        wake, wait = self.dev.handoff / 2, self.dev.side_wait
         for ev in self.open.get(sid, ()):
             t = when[ev.ranks]
-            inside[ev.ranks] |= (ev.start < t) & (ev.end > t)
+            turn = (ev.start <= t) & (t >= ev.queued + wait) if ev.queued is not None else ev.start < t
+            inside[ev.ranks] |= (ev.end > t) & ((ev.start < t - wake) | turn)
         return inside[idx]
 
     def _postpone(self, sid: int, idx: np.ndarray, since: np.ndarray, until: np.ndarray) -> None:
@@ -572,11 +599,13 @@ class SimWorkers:
             dur = np.where(spans, costs.collective_time(self.dev, kind, nb, p, True, elements),
                            costs.collective_time(self.dev, kind, nb, p, False, elements))  # fmt: skip
             if self.in_step is not None and p > 1:  # (its ranks gather from their compute: see `reduce_in_step`)
-                dur = dur + np.interp(self.since[groups].max(axis=1), *self.in_step)
+                dur = dur + self._apart(groups, ready[groups].max(axis=1))
             end[groups] = (ready[groups].max(axis=1) + dur)[:, None]
             sync.append(groups)
         self._finish(idx, sid, end[idx])
         self.since[idx] = 0.0
+        if self.in_step_loaded is not None:
+            self.met_at[idx] = end[idx]
         if self.owed is not None:  # (what the main thread's next op loses: it waited, or it runs beside it)
             self.owed[idx] += self.dev.after_reduce if sid == 0 else self.dev.beside_reduce
         if not self.inline:  # on a GPU the engine reads the reduce's failure flag: its thread waits for the end
@@ -590,6 +619,25 @@ class SimWorkers:
         if cmd.out != cmd.src:
             shape = _out_shape(cmd)
             self._new_value(cmd.out, _empty(self, shape, cmd.dtype), idx, alloc_at, cmd.where)
+
+    def _apart(self, groups: np.ndarray, ready: np.ndarray) -> np.ndarray:
+        """Per group (a row of ranks, all of which can start the collective by `ready`): how much later than its
+        ranks' modelled arrival the last of them arrives, after the compute each ran since its last collective
+        (`reduce_in_step`), blended toward `reduce_in_step_loaded` by the share of that span the controller
+        computed on its host (its ranks there)."""
+        compute = self.since[groups].max(axis=1)
+        apart = np.interp(compute, *self.in_step)
+        if self.in_step_loaded is None or not self.busy:
+            return apart
+        # (the controller's Python that runs beside a span of the workers' is mostly what it does after it
+        # issued this collective, not known yet: its share over as long a span just before stands in for it)
+        spans = np.array(self.busy)
+        now = float(spans[-1, 1])
+        lo = now - np.clip(ready - self.met_at[groups].max(axis=1), 1e-6, BUSY_KEPT)
+        covered = np.clip(spans[:, 1] - np.maximum(spans[:, 0], lo[:, None]), 0.0, None)
+        share = (covered * spans[:, 2]).sum(axis=1) / (now - lo)
+        share = np.clip(share, 0.0, 1.0) * self.local[groups].mean(axis=1)
+        return apart + share * (np.interp(compute, *self.in_step_loaded) - apart)
 
     def _move(self, idx: np.ndarray, sid: int, cmd: P.MoveWithin) -> None:
         nb = _numel(cmd.shape) * _itemsize(cmd.dtype)
