@@ -373,14 +373,13 @@ def _sample_step_costs(mesh, quick: bool, device: str) -> tuple[float, dict[str,
 
     def timed(reduce: str) -> list:
         step(reduce)  # (warm)
-        RemoteFunction.by_name(WORKER, "time_ops", mesh).call_async().result()
         marks.clear()
-        try:
+
+        def steps() -> None:
             for _ in range(3 if quick else 10):
                 step(reduce)
-        finally:
-            per_rank = RemoteFunction.by_name(WORKER, "timed_ops", mesh).call_async().result().values()
-        return per_rank
+
+        return _timed_commands(mesh, steps)
 
     times: dict[str, list[float]] = {}
     for per_rank in timed("none"):
@@ -409,6 +408,17 @@ def _sample_step_costs(mesh, quick: bool, device: str) -> tuple[float, dict[str,
     ]
     after = max(statistics.fmean(lost), 0.0) if lost else 0.0
     return base, extra, after, max(statistics.fmean(beside), 0.0) if beside else 0.0, _ends(per_rank, main_marks)
+
+
+def _timed_commands(mesh, run: Callable[[], None]) -> list:
+    """Per rank, (name, start, end) of each command its worker ran while `run()` issued commands and waited for
+    them (timed on the workers through the engine's `around` hook)."""
+    RemoteFunction.by_name(WORKER, "time_ops", mesh).call_async().result()
+    try:
+        run()
+    finally:
+        per_rank = RemoteFunction.by_name(WORKER, "timed_ops", mesh).call_async().result().values()
+    return per_rank
 
 
 def _sample_step(mesh, model, params: list, device: str, reduce: str, side: Any = None) -> Any:
@@ -573,8 +583,8 @@ def _side_wait(mesh, quick: bool) -> float:
             alias.reduce_(dim, "sum")  # (warm: the stream's thread and its group)
         borrow.drop()
     inspect(t)
-    RemoteFunction.by_name(WORKER, "time_ops", mesh).call_async().result()
-    try:
+
+    def beside() -> None:
         with mesh.activate():
             for _ in range(k):
                 alias, borrow = side.borrow(t, mutable=True)
@@ -584,10 +594,9 @@ def _side_wait(mesh, quick: bool) -> float:
                     b = a @ a  # noqa: F841  (dropped at once, as a backward's intermediates go)
                 borrow.drop()
         inspect(t)
-    finally:
-        per_rank = RemoteFunction.by_name(WORKER, "timed_ops", mesh).call_async().result().values()
+
     waits = []
-    for cmds in per_rank:
+    for cmds in _timed_commands(mesh, beside):
         cmds = sorted(cmds, key=lambda c: c[1])
         borrowed = [end for name, _, end in cmds if name == "BorrowStart"]
         begun = [start for name, start, _ in cmds if name == "Reduce"]

@@ -319,7 +319,7 @@ class SimWorkers:
         wake, wait = self.dev.handoff / 2, self.dev.side_wait
         for ev in self.open.get(sid, ()):
             t = when[ev.ranks]
-            turn = (ev.start <= t) & (t >= ev.queued + wait) if ev.queued is not None else ev.start < t
+            turn = (ev.start <= t) & (t >= ev.queued + wait)  # (`_begun` is asked only where `defer` set it)
             inside[ev.ranks] |= (ev.end > t) & ((ev.start < t - wake) | turn)
         return inside[idx]
 
