@@ -458,9 +458,10 @@ def test_on_a_cpu_ranks_meet_further_apart_while_the_controller_computes_beside_
             reduce_in_step_loaded=[[0.01, 4e-3]],
         )  # fmt: skip
         sim = monarch.Simulator(hosts=1, gpus=2, device=cpu)
-        workers, spans = sim._backend.workers, []
-        busy = workers.controller_busy
+        workers, spans, planned = sim._backend.workers, [], []
+        busy, apart = workers.controller_busy, workers._apart
         workers.controller_busy = lambda t0, t1, share=1.0: (spans.append((t0, t1, share)), busy(t0, t1, share))[1]
+        workers._apart = lambda groups, ready: (planned.append(len(spans)), apart(groups, ready))[1]
         gc.collect()
         gc.disable()  # (a collection of the test run's heap would count as the controller's CPU)
         try:
@@ -468,21 +469,22 @@ def test_on_a_cpu_ranks_meet_further_apart_while_the_controller_computes_beside_
                 g, a = torch.ones(256), torch.rand(256, 256)
                 g.reduce_("gpu", "sum")
                 b = a @ a  # noqa: F841  (10 ms of compute since that collective)
-            start = sim.time
-            spans.clear()
             wait(0.03)
             with sim.mesh.activate():
                 g.reduce_("gpu", "sum")
         finally:
             gc.enable()
         monarch.inspect(g)
-        last = [e for e in workers.events if e.name.startswith("all_reduce")][-1]
+        first, last = [e for e in workers.events if e.name.startswith("all_reduce")][-2:]
         sim.exit()
         took = float(last.end[0] - last.start[0]) - 2 * 20e-3  # (a ring of 2: two steps of latency)
-        # the controller's share of the span before it sent the reduce, as long as the ranks' span since
-        # their last collective (the whole window: the ranks met before it began)
-        cpu_s = sum((b - max(a, start)) * c for a, b, c in spans if b > start)
-        return 1e3 * took, cpu_s / (spans[-1][1] - start)
+        # the controller's share, over its spans up to when the reduce was planned, of a span as long as the
+        # ranks' since their last collective (what it will do beside them is not known yet then)
+        known = spans[: planned[-1]]
+        now = known[-1][1]
+        lo = now - (float(last.start.max()) - float(first.end.max()))
+        cpu_s = sum((b - max(a, lo)) * c for a, b, c in known if b > lo)
+        return 1e3 * took, cpu_s / (now - lo)
 
     slept, idle = extra(time.sleep)
     spun, share = extra(_spin)
