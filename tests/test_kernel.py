@@ -372,7 +372,7 @@ def test_kernel_sigkill_leaves_no_worker():
         assert k.run("%%mesh gpu=2\nrank").status == "ok"
         pids = k.worker_pids()
         os.kill(k.pid, signal.SIGKILL)
-        assert wait_gone(pids, 3) == []
+        assert wait_gone(pids, 30) == []
 
 
 def test_load_ext_in_a_plain_ipython_kernel():
@@ -485,21 +485,27 @@ def test_a_restart_during_a_noblock_run_says_the_mesh_was_stopped_not_that_a_wor
         assert k.run(code).status == "ok"
         wait_for(lambda: started(str(marker), 2), 60, "both ranks starting")
         first = k.worker_pids()
-        restart = k.run("%mesh restart")
-        assert restart.status == "ok", restart.text()
-        r = k.run("job.result()")
-        assert r.status == "error"
-        (err,) = r.of("error")
-        assert err["content"]["ename"] == "MeshStoppedError", r.text()
-        text = " ".join("\n".join(err["content"]["traceback"]).split())  # (as one line: it is wrapped to fit)
-        assert (
-            "mesh {gpu: 2} was stopped (mesh.exit(), %mesh restart or %mesh shutdown) while ranks 0-1 still "
-            "ran this call (%%mesh cell)" in text
-        ), text
-        assert "Connection closed" not in r.text() and "crash" not in r.text()
-        # the --noblock cell's own areas say how its run ended (its live view, updated after the cell returned)
-        ended = [it for res in (restart, r) for it in res.custom_items() if "[this run was stopped" in it.get("t", "")]
-        assert sorted(it["r"] for it in ended) == [0, 1], [restart.custom_items(), r.custom_items()]
+        with k.everything() as seen:  # (the run's end is said by a thread: perhaps between two cells)
+            restart = k.run("%mesh restart")
+            assert restart.status == "ok", restart.text()
+            r = k.run("job.result()")
+            assert r.status == "error"
+            (err,) = r.of("error")
+            assert err["content"]["ename"] == "MeshStoppedError", r.text()
+            text = " ".join("\n".join(err["content"]["traceback"]).split())  # (as one line: it is wrapped to fit)
+            assert (
+                "mesh {gpu: 2} was stopped (mesh.exit(), %mesh restart or %mesh shutdown) while ranks 0-1 still "
+                "ran this call (%%mesh cell)" in text
+            ), text
+            assert "Connection closed" not in r.text() and "crash" not in r.text()
+
+            # the --noblock cell's own areas say how its run ended (its live view, updated after the cell returned)
+            def stopped() -> list[dict]:
+                return [it for it in seen.custom_items() if "[this run was stopped" in it.get("t", "")]
+
+            wait_for(lambda: len(stopped()) >= 2 or k.run("pass").status != "ok", 30, "each area saying so")
+        ended = stopped()
+        assert sorted(it["r"] for it in ended) == [0, 1], seen.custom_items()
         assert all(it["t"].startswith("[this run was stopped with its mesh, after ") for it in ended), ended
         r = k.run("%%mesh\nrank")  # the restarted mesh works
         assert r.status == "ok", r.text()
