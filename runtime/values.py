@@ -74,23 +74,27 @@ class Future(Generic[T]):
             return e
         return None
 
-    def unshown_failures(self) -> list[Failure]:
-        """For a call that has ended: the failures of its `RemoteError` (what `result()` raises) whose ranks'
-        tracebacks its output did not show as they came. A call nobody waits for (`%%mesh --noblock`) shows
-        these in its areas as it ends: its error is raised to no one."""
+    def unshown_failures(self) -> list[tuple[Failure, str | None]]:
+        """For a call that has ended: the failures of its `RemoteError` (what `result()` raises) with ranks whose
+        tracebacks its output did not show as they came, each with None, or the label of the rank whose place
+        showed its traceback already (a rank that failed the same way after the others were shown: it points
+        there). A call nobody waits for (`%%mesh --noblock`) shows these in its areas as it ends: its error is
+        raised to no one."""
         error = self.exception()
         if type(error) is not RemoteError:  # (a worker's death, a stop: their headline says it all)
             return []
         shown = self._pending.errors_shown
-        out = []
+        out: list[tuple[Failure, str | None]] = []
         for f in error.failures:
             keep = [i for i, rank in enumerate(f.ranks) if rank not in shown]
             if len(keep) == len(f.ranks):
-                out.append(f)
+                out.append((f, None))
             elif keep:
                 messages = [f.messages[i] for i in keep] if f.messages else []
                 ranks, labels = [f.ranks[i] for i in keep], [f.labels[i] for i in keep]
-                out.append(Failure(ranks, labels, f.exc_type, f.message, f.traceback, messages))
+                # (shown early, the same error's ranks were grouped alike: its first shown rank holds it)
+                under = next(f.labels[i] for i, rank in enumerate(f.ranks) if rank in shown)
+                out.append((Failure(ranks, labels, f.exc_type, f.message, f.traceback, messages), under))
         return out
 
     def interrupt(self) -> None:
