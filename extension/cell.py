@@ -164,8 +164,7 @@ class CellRun:
             stream, text = "stderr", f"[this run was stopped with its mesh, after {took:.1f} s]\n"
         except BaseException as e:
             labels = dict(self.future.points)
-            unshown = self.future.unshown_failures()
-            for rank, shown in placed([f for f, _ in unshown], [under for _, under in unshown]):  # (raised to no one)
+            for rank, shown in placed(self.future.unshown_failures()):  # (nothing raises them to the user)
                 self.output(OutputEvent(None, self.future.mesh_id, rank, labels[rank], "error", shown))
             first = str(e).split("\n", 1)[0]
             stream, text = "stderr", f"[this run failed after {took:.1f} s: {type(e).__name__}: {first}]\n"

@@ -254,19 +254,18 @@ def group_failures(raw: list[tuple[int, str, ErrorInfo]]) -> list[Failure]:
     return out
 
 
-def placed(failures: list[Failure], shown_under: list[str | None] | None = None) -> list[tuple[int, str]]:
+def placed(failures: list[tuple[Failure, str | None]]) -> list[tuple[int, str]]:
     """``(rank, text)`` to show `failures` in per-rank places: each traceback once, in its first rank's place,
-    and in its other ranks' places a line saying where it is. `shown_under`, per failure: the label of the
-    place that showed its traceback already (every one of its ranks then points there), or None."""
+    and in its other ranks' places a line saying where it is. Each failure comes with None, or the label of the
+    place that showed its traceback already (every one of its ranks then points there)."""
     out = []
-    for f, under in zip(failures, shown_under or [None] * len(failures)):
-        first, *others = f.ranks
+    for f, under in failures:
+        pointed = f.ranks
         if under is None:
-            out.append((first, f.describe() + "\n"))
-        else:
-            others = f.ranks
-        pointer = f"-- {f.where()}: {f.exc_type} (shown once, under {under or f.labels[0]})\n"
-        out += [(rank, pointer) for rank in others]
+            out.append((f.ranks[0], f.describe() + "\n"))
+            under, pointed = f.labels[0], f.ranks[1:]
+        pointer = f"-- {f.where()}: {f.exc_type} (shown once, under {under})\n"
+        out += [(rank, pointer) for rank in pointed]
     return out
 
 

@@ -260,7 +260,8 @@ class Receiver:
         errors = self.controller.calls.take_early_errors(pending)
         labels = pending.mesh.labels
         pending.errors_shown.update(env.rank for env, _ in errors)
-        for rank, text in placed(group_failures([(env.rank, labels[env.rank], info) for env, info in errors])):
+        failures = group_failures([(env.rank, labels[env.rank], info) for env, info in errors])
+        for rank, text in placed([(f, None) for f in failures]):
             self.notice(pending, rank, text, "error")
 
     def notice(self, pending: PendingCall, rank: int, text: str, stream: str = "stderr") -> None:
