@@ -176,13 +176,31 @@ class OwnProcess(MeshTrait):
         return contextlib.nullcontext(self)
 
 
-@dataclass
 class Context:
-    """What an endpoint knows about the message it serves (`context()`)."""
+    """What an endpoint knows about the message it serves (`context()`).
 
-    actor_instance: ActorInstance
-    message_rank: Point = field(default_factory=lambda: Point(0, Extent()))
-    """This actor's place in the mesh (or slice) the message was sent to, as `current_rank()` gives it."""
+    `message_rank` is made when first read, from `view` (the call's `CallView`: its `coords` and `sizes`) where
+    none is given: most endpoints never read it, and a worker serving a call to every actor of a large mesh
+    runs each step cold (every process woken once per message)."""
+
+    __slots__ = ("actor_instance", "_message_rank", "_view")
+
+    def __init__(self, actor_instance: ActorInstance, message_rank: Point | None = None, view: Any = None) -> None:
+        self.actor_instance = actor_instance
+        self._message_rank = message_rank
+        self._view = view
+
+    @property
+    def message_rank(self) -> Point:
+        """This actor's place in the mesh (or slice) the message was sent to, as `current_rank()` gives it."""
+        rank = self._message_rank
+        if rank is None:
+            view = self._view
+            rank = self._message_rank = Point(0, Extent()) if view is None else Point.of(view.coords, view.sizes)
+        return rank
+
+    def __repr__(self) -> str:
+        return f"Context(actor_instance={self.actor_instance!r}, message_rank={self.message_rank!r})"
 
 
 CLIENT = Context(ActorInstance("client", proc_id="the controller"))

@@ -113,26 +113,24 @@ def invoke(
     living = _actors.get(name)
     if living is None:
         raise RuntimeError(f"no actor named {name!r} on this process (it was stopped, or its spawn failed here)")
-    method, options = _method(living.obj, endpoint)
-    if message_rank is None:
-        rank = context.current_rank()
+    method, options, is_async = _method(living.obj, endpoint)
+    if message_rank is None:  # (the call's view: its `Point` made only if the endpoint asks, `Context`)
+        ctx = shared.Context(living.instance, None, context.view)
     else:
-        rank = message_rank
-        context.view = context.CallView(dict(rank), dict(rank.extent))
-    ctx = shared.Context(living.instance, rank)
+        context.view = context.CallView(dict(message_rank), dict(message_rank.extent))
+        ctx = shared.Context(living.instance, message_rank)
     token = shared.enter(ctx)
     debugged = stdin.answered
     try:
-        is_async = inspect.iscoroutinefunction(method)
         if not is_async and not options.explicit_response_port:
             if living.tasks:  # its async calls still queued or running come first: they came first
                 mailbox().pump(lambda: not living.tasks)
             result = method(*args, **kwargs)
-            if inspect.isawaitable(result):
+            if result is not None and inspect.isawaitable(result):
                 result = _await(result)
             return result
         call_id = host.call_id if answer is None and host is not None else None
-        port = _response_port(answer if answer is not None else _reply_to_call(), rank.rank)
+        port = _response_port(answer if answer is not None else _reply_to_call(), ctx.message_rank.rank)
         if is_async:
             # On the event loop, while this thread takes the next message: a call to another actor of this
             # process, or a concurrent one, runs meanwhile; this actor's own plain ones wait their turn.
@@ -158,8 +156,20 @@ def invoke(
         shared.leave(token)
 
 
-def _method(actor: Any, endpoint: str) -> tuple[Any, shared.EndpointOptions]:
-    """The bound method an endpoint name calls, and how (`as_endpoint` names a plain method with a prefix)."""
+_ENDPOINTS: dict[tuple[type, str], tuple[str, Any, shared.EndpointOptions, bool]] = {}
+"""(actor class, endpoint name) -> (attribute, its function, options, whether a coroutine function), as `_method`
+found them: a call to every actor of a mesh resolves its endpoint once per process, not once per message."""
+
+
+def _method(actor: Any, endpoint: str) -> tuple[Any, shared.EndpointOptions, bool]:
+    """The bound method an endpoint name calls, how (`as_endpoint` names a plain method with a prefix), and whether
+    it is a coroutine function."""
+    known = _ENDPOINTS.get((type(actor), endpoint))
+    if known is not None:
+        attr, fn, options, is_async = known
+        method = getattr(actor, attr, None)
+        if getattr(method, "__func__", None) is fn:  # (not shadowed by the instance since)
+            return method, options, is_async
     loose = endpoint.startswith(shared.LOOSE)
     if loose:
         ported = endpoint.startswith(shared.LOOSE_PORTED)
@@ -169,10 +179,14 @@ def _method(actor: Any, endpoint: str) -> tuple[Any, shared.EndpointOptions]:
     method = getattr(actor, attr, None)
     options = shared.options_of(method)
     if loose and callable(method):
-        return method, options or shared.EndpointOptions(explicit_response_port=ported)
-    if method is None or options is None:
+        options = options or shared.EndpointOptions(explicit_response_port=ported)
+    elif method is None or options is None:
         raise AttributeError(f"{type(actor).__name__} has no endpoint {attr!r}")
-    return method, options
+    is_async = inspect.iscoroutinefunction(method)
+    fn = getattr(method, "__func__", None)
+    if fn is not None and len(_ENDPOINTS) < 4096:
+        _ENDPOINTS[type(actor), endpoint] = (attr, fn, options, is_async)
+    return method, options, is_async
 
 
 def _response_port(deliver: ports.Deliver, rank: int) -> ports.Port[Any]:
