@@ -5,7 +5,7 @@ anyone editing a list (a hand list once left `monarch.runtime.simulator.backend`
 install). `tests/test_packaging.py` installs the wheel and imports every module.
 """
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 FOLDERS = {
     "monarch": "monarch",  # the public face
@@ -16,8 +16,13 @@ FOLDERS = {
 }
 """Import name -> the folder that holds it."""
 
+FASTWIRE = Extension("monarch.runtime.wire._fastwire", ["runtime/wire/_fastwire.c"], optional=True)
+"""The signed one-frame message in compiled code (`runtime/wire/_fastwire.c`). Optional: where no C compiler or
+Python headers are found, the install goes on and the Python versions in `codec.py` serve."""
+
 setup(
     package_dir=FOLDERS,
+    ext_modules=[FASTWIRE],
     packages=[
         pkg for name, folder in FOLDERS.items() for pkg in (name, *(f"{name}.{p}" for p in find_packages(folder)))
     ],

@@ -97,6 +97,53 @@ def test_a_reader_gives_back_a_large_messages_memory_and_goes_on_reading():
     assert sizes[1] == lanes.CHUNK and reader.view.obj is reader.buf  # shrunk right after the large one
 
 
+@pytest.mark.parametrize("chunk", [1, 5, 4096, 1 << 20])
+def test_a_worker_takes_each_checked_command_off_its_stream_in_order_however_the_bytes_arrive(tmp_path, chunk):
+    """`LaneClient.recv_checked`: a one-frame message its check takes comes back as what the check made of it; one
+    the check refuses, and one of several frames, as their frames; whatever `ready` cut out first, as its frames;
+    then None once the controller closed the lane."""
+    messages = [[b"take 1"], [b"refuse"], [b"take " + b"2" * 70_000], [b"a", b"b"], [b"take 3"], [b"take 4"]]
+    data = _wire(messages)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "lane"))
+    listener.listen(1)
+    client = lanes.LaneClient(str(tmp_path / "lane"))
+    conn, _ = listener.accept()
+
+    def write():
+        for i in range(0, len(data), chunk):
+            conn.sendall(data[i : i + chunk])
+        conn.close()
+
+    def check(view: memoryview):
+        assert type(view) is memoryview  # (a view of the reader's buffer: no copy made for it)
+        return ("took", bytes(view)) if bytes(view[:4]) == b"take" else None
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    got = []
+    try:
+        while True:
+            while len(got) == 4 and not client.ready():  # ("take 3": read whole, cut out as frames by `ready`)
+                assert client._fill()
+            taken = client.recv_checked(check)
+            if taken is None:
+                break
+            got.append(taken)
+    finally:
+        writer.join()
+        client.close()
+        listener.close()
+    assert got == [
+        ("took", b"take 1"),
+        [b"refuse"],
+        ("took", b"take " + b"2" * 70_000),
+        [b"a", b"b"],
+        [b"take 3"],
+        ("took", b"take 4"),
+    ]
+
+
 @pytest.mark.parametrize(
     "head, why",
     [

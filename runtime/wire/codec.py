@@ -17,6 +17,7 @@ sequence numbers); everything else sends and receives typed messages.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import io
@@ -27,13 +28,18 @@ import types
 import warnings
 from collections import ChainMap
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, overload
 
 import cloudpickle
 
 if TYPE_CHECKING:
     import zmq
+
+try:  # (built at install, `_fastwire.c`; where it could not be, the Python versions here serve alone)
+    from monarch.runtime.wire import _fastwire
+except ImportError:
+    _fastwire = None  # type: ignore[assignment]
 
 OOB_MIN_BYTES = 4096
 """Buffers at least this large travel as their own frame instead of inside the pickle."""
@@ -301,6 +307,10 @@ class Envelope:
     buffers: list[bytes | memoryview]
 
 
+_ENVELOPE_FIELDS = tuple(f.name for f in fields(Envelope))
+_DUMPS5 = functools.partial(pickle.dumps, protocol=5)
+
+
 def encode(
     key: bytes, mesh_id: int, rank: int, seq: int, message: Any, body: Sequence[bytes | memoryview] | None = None
 ) -> list[bytes | memoryview]:
@@ -350,6 +360,21 @@ def decode(key: Any, frames: Sequence[zmq.Frame | bytes | memoryview]) -> Envelo
 
 
 def one_signer(key: bytes, mesh_id: int, rank: int) -> Callable[[int, Any, bytes | memoryview], list[bytes] | None]:
+    """`py_one_signer`, compiled where `_fastwire` was built (the same results)."""
+    if _fastwire is None:
+        return py_one_signer(key, mesh_id, rank)
+    return _fastwire.one_signer(mesh_id, rank, _blake2b, {"key": key, "digest_size": SIG}, _DUMPS5)
+
+
+def one_sender(key: bytes, mesh_id: int, rank: int, seen: list[int]) -> Callable[[memoryview], Envelope | None]:
+    """`py_one_sender`, compiled where `_fastwire` was built (the same results and errors)."""
+    if _fastwire is None:
+        return py_one_sender(key, mesh_id, rank, seen)
+    mac = {"key": key, "digest_size": SIG}
+    return _fastwire.one_sender(mesh_id, rank, seen, Envelope, _ENVELOPE_FIELDS, _blake2b, mac, pickle.loads)
+
+
+def py_one_signer(key: bytes, mesh_id: int, rank: int) -> Callable[[int, Any, bytes | memoryview], list[bytes] | None]:
     """`encode` for a message of one frame from (`mesh_id`, `rank`) in one call: ``sign(seq, message, body)``
     gives the frame's two parts (signature, then the rest) or None where the frame would be `SMALL` or more
     (`encode` then signs it as a large message). Why: a worker sends a reply per call, and `encode` with its
@@ -367,7 +392,7 @@ def one_signer(key: bytes, mesh_id: int, rank: int) -> Callable[[int, Any, bytes
     return sign
 
 
-def one_sender(key: bytes, mesh_id: int, rank: int, seen: list[int]) -> Callable[[memoryview], Envelope | None]:
+def py_one_sender(key: bytes, mesh_id: int, rank: int, seen: list[int]) -> Callable[[memoryview], Envelope | None]:
     """`decode` for a connection that carries only (`mesh_id`, `rank`)'s messages (a lane), in one call per
     message: a one-frame message signed with `key`, from that sender, numbered above ``seen[rank]`` (which it
     then becomes) comes back as its `Envelope`, its body copied out of the view; for anything else, None

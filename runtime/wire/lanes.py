@@ -248,6 +248,41 @@ class LaneClient:
             return None
         return taken
 
+    def recv_checked(self, check: Callable[[memoryview], Any], readable: bool = False) -> Any:
+        """`recv`, with a one-frame message given to `check` as a view of the reader's buffer (good only during
+        the call): what `check` makes of it, or the message's frames where it gives None (or for a message of
+        several frames); None once the controller closed the lane. The message is taken off the stream before
+        `check` runs, so one that raises there is gone. Why: each command wakes a worker that runs every step
+        cold, 64 workers on two cores; cutting the frame out, as `recv` does, is a copy and three calls more."""
+        taken = self._next
+        if taken is not None:  # (`ready` cut it out already)
+            self._next = None
+            return taken
+        reader = self.reader
+        try:
+            while True:
+                s, end = reader.start, reader.end
+                if end - s >= _ONE_SIZE:
+                    k, n = _ONE.unpack_from(reader.buf, s)
+                    if k == 1 and end - s - _ONE_SIZE >= n:
+                        first = s + _ONE_SIZE
+                        if first + n == end:
+                            reader.start = reader.end = 0  # (taken: the next read starts at the front)
+                        else:
+                            reader.start = first + n
+                        got = check(reader.view[first : first + n])
+                        if got is not None:
+                            return got
+                        return [bytes(reader.buf[first : first + n])]
+                    taken = reader.next()
+                    if taken is not None:
+                        return taken
+                if not self._fill(readable):
+                    return None
+                readable = False
+        except CorruptLane:
+            return None
+
     def _fill(self, readable: bool = False) -> int:
         """One read, waiting for bytes if none have come: bytes read, 0 at the end of the stream. With `spin`,
         after a quick wait, it tries without waiting for that long first; `readable`, it reads at once (a

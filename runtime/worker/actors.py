@@ -519,11 +519,11 @@ class Mailbox:
         self._quiet = False
         """No ZeroMQ socket here was used since a wait found none of them readable: a message arriving now
         makes its socket's descriptor (`zmq.FD`) readable, so the idle wait may sleep on the bare descriptors
-        (`_sleep`). Any use of a socket may take that signal while a message waits: it clears this."""
+        (`serve_until_command`). Any use of a socket may take that signal while a message waits: it clears this."""
         self._bare: select.poll | None = None
         """The idle wait's poll over the bare descriptors (the lane, the wake pipe, each socket's `zmq.FD`)."""
         self._lane = -1
-        """The descriptor of the controller's commands (-1: a ZeroMQ socket, which `_sleep` cannot wait on)."""
+        """The descriptor of the controller's commands (-1: a ZeroMQ socket, which the idle wait cannot wait on)."""
         self.worker.side_poll = self.serve_until_command
 
     # -- sending ----------------------------------------------------------------------------------
@@ -568,27 +568,28 @@ class Mailbox:
                 poller.register(sock, flags)
             poller.register(cmd, zmq.POLLIN)
             self._lane = cmd if isinstance(cmd, int) else -1  # (a lane's descriptor)
-        if self._quiet and self._lane >= 0 and self._sleep():
-            return
+        if self._quiet and self._lane >= 0:
+            # The idle wait while no actor message is on its way (most of a worker's life), written out here
+            # (each command runs it cold): one `poll` on the bare descriptors; ZeroMQ's poll would check every
+            # socket's events before and after it (five more system calls per command). Done if the commands
+            # alone woke it (anything else: `_step` looks).
+            ready = (self._bare or self._bare_poll()).poll()
+            if len(ready) == 1 and ready[0][0] == self._lane:
+                return
         while not self._step(cmd, poller):
             pass
 
-    def _sleep(self) -> bool:
-        """The idle wait while no actor message is on its way (most of a worker's life): one `poll` on the bare
-        descriptors; ZeroMQ's poll would check every socket's events before and after it (five more system calls
-        per command). Whether the commands alone woke it (anything else: `_step` looks)."""
-        bare = self._bare
-        if bare is None:
-            bare = self._bare = select.poll()
-            for fd in (
-                self._lane,
-                self._wake_r,
-                self.inbox.sock.getsockopt(zmq.FD),
-                *(s.getsockopt(zmq.FD) for s in self._socks),
-            ):
-                bare.register(fd, select.POLLIN)
-        ready = bare.poll()
-        return len(ready) == 1 and ready[0][0] == self._lane
+    def _bare_poll(self) -> select.poll:
+        """The idle wait's poll object: the lane, the wake pipe, and every ZeroMQ socket's descriptor."""
+        bare = self._bare = select.poll()
+        for fd in (
+            self._lane,
+            self._wake_r,
+            self.inbox.sock.getsockopt(zmq.FD),
+            *(s.getsockopt(zmq.FD) for s in self._socks),
+        ):
+            bare.register(fd, select.POLLIN)
+        return bare
 
     def _step(self, cmd: zmq.Socket | None, poller: zmq.Poller | None = None) -> bool:
         """One wait (on `poller`; by default `self.poller`, without the commands) and what it brought; whether `cmd`

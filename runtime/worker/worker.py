@@ -62,6 +62,7 @@ class Worker:
         self.mesh_id: int = cfg.keys.mesh_id
         self.transport = WorkerTransport(cfg.keys, cfg.spin)
         self._send = self.transport.send
+        self._reply = self.transport.reply
         self.call_id: int | None = None
         self.in_user_code = False
         self.fns: dict[int, Any] = {}
@@ -349,7 +350,7 @@ class Worker:
         if self._debug:
             _log.debug("call %d done (%s)", call_id, "ok" if ok else "failed")
         self.output.flush()
-        self._send(protocol.Reply(call_id, ok), body)
+        self._reply(call_id, ok, body)
         self.call_id = None
         if self.cancelled:
             self.cancelled.discard(call_id)

@@ -30,6 +30,8 @@ else:  # Python 3.10: no-op (the decorator only tells type checkers that `messag
 
 _TYPES: list[type[Any] | None] = []
 """Every message type, by its tag (the index): the wire carries ``(tag, *fields)``."""
+_NAMES: list[tuple[str, ...] | None] = []
+"""The field names of each, by tag (what `unpack` sets)."""
 
 
 @dataclass_transform()
@@ -57,7 +59,9 @@ def _register(cls: type[Any], tag: int) -> None:
     cls._values = staticmethod(values)
     cls._arity = len(names)
     _TYPES.extend([None] * (tag + 1 - len(_TYPES)))
+    _NAMES.extend([None] * (tag + 1 - len(_NAMES)))
     _TYPES[tag] = cls
+    _NAMES[tag] = names
 
 
 def types() -> dict[int, type[Any]]:
@@ -70,7 +74,7 @@ def pack(msg: Any) -> tuple[Any, ...]:
     return (msg._tag, *msg._values(msg))
 
 
-def unpack(t: Any) -> Any:
+def py_unpack(t: Any) -> Any:
     """The message a `pack` tuple stands for; ValueError for anything else."""
     if type(t) is not tuple or not t or type(t[0]) is not int or not 0 <= t[0] < len(_TYPES):
         raise ValueError(f"not a message: {type(t).__name__}")
@@ -80,3 +84,14 @@ def unpack(t: Any) -> Any:
     if len(t) != cls._arity + 1:
         raise ValueError(f"{cls.__name__} has {cls._arity} fields, got {len(t) - 1}")
     return cls(*t[1:])
+
+
+unpack: Callable[[Any], Any] = py_unpack
+"""The message a `pack` tuple stands for; ValueError for anything else (compiled where `_fastwire` was built:
+each message is made without running its dataclass `__init__`, which sets only its fields)."""
+try:
+    from monarch.runtime.wire import _fastwire
+
+    unpack = _fastwire.unpacker(_TYPES, _NAMES)
+except ImportError:
+    pass
