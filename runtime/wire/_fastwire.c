@@ -14,6 +14,14 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#ifdef Py_T_OBJECT_EX
+#define SLOT_OBJECT Py_T_OBJECT_EX
+#define SLOT_READONLY Py_READONLY
+#else
+#include <structmember.h>
+#define SLOT_OBJECT T_OBJECT_EX
+#define SLOT_READONLY READONLY
+#endif
 #include <string.h>
 
 #define SIG 32
@@ -56,15 +64,51 @@ static PyObject *mac_of(PyObject *blake2b, PyObject *mac_kwargs, const void *dat
     return digest;
 }
 
+/* Where each of `names` lives in an instance of `cls`, as bytes holding one Py_ssize_t offset each: where every
+ * one is a writable object slot (a slotted dataclass's fields); else None, and `make` sets them as attributes. */
+static PyObject *slot_offsets(PyObject *cls, PyObject *names) {
+    Py_ssize_t n = PyTuple_GET_SIZE(names);
+    PyObject *got = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(Py_ssize_t));
+    if (got == NULL) return NULL;
+    Py_ssize_t *at = (Py_ssize_t *)PyBytes_AS_STRING(got);
+    PyTypeObject *type = (PyTypeObject *)cls;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *descr = _PyType_Lookup(type, PyTuple_GET_ITEM(names, i)); /* (borrowed) */
+        if (descr == NULL || Py_TYPE(descr) != &PyMemberDescr_Type) goto none;
+        PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+        if (member->type != SLOT_OBJECT || (member->flags & SLOT_READONLY) || member->offset < 0 ||
+            member->offset + (Py_ssize_t)sizeof(PyObject *) > type->tp_basicsize ||
+            !PyType_IsSubtype(type, ((PyDescrObject *)descr)->d_type))
+            goto none;
+        at[i] = member->offset;
+    }
+    return got;
+none:
+    Py_DECREF(got);
+    Py_RETURN_NONE;
+}
+
 /* `obj` of type `cls` (a slotted dataclass: its generated __init__ only sets its fields) made with `values` set
- * on `names`, without running that __init__ (a Python function, run cold). */
-static PyObject *make(PyObject *cls, PyObject *names, PyObject *const *values, Py_ssize_t n) {
+ * on `names` (straight into its slots where `offsets`, from `slot_offsets`, is bytes), without running that
+ * __init__ (a Python function, run cold). */
+static PyObject *make(PyObject *cls, PyObject *names, PyObject *offsets, PyObject *const *values, Py_ssize_t n) {
     PyTypeObject *type = (PyTypeObject *)cls;
     PyObject *empty = PyTuple_New(0);
     if (empty == NULL) return NULL;
     PyObject *obj = type->tp_new(type, empty, NULL);
     Py_DECREF(empty);
     if (obj == NULL) return NULL;
+    if (PyBytes_Check(offsets) && PyBytes_GET_SIZE(offsets) == n * (Py_ssize_t)sizeof(Py_ssize_t)) {
+        const Py_ssize_t *at = (const Py_ssize_t *)PyBytes_AS_STRING(offsets);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject **slot = (PyObject **)((char *)obj + at[i]);
+            PyObject *old = *slot;
+            Py_INCREF(values[i]);
+            *slot = values[i];
+            Py_XDECREF(old);
+        }
+        return obj;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (PyObject_SetAttr(obj, PyTuple_GET_ITEM(names, i), values[i]) < 0) {
             Py_DECREF(obj);
@@ -82,6 +126,7 @@ typedef struct {
     PyObject *seen;       /* list: seen[rank] (a negative rank counts from the end, as Python's index does) */
     PyObject *envelope;   /* codec.Envelope */
     PyObject *env_names;  /* its field names, in order */
+    PyObject *env_offsets; /* where they live (`slot_offsets`) */
     PyObject *blake2b;
     PyObject *mac_kwargs; /* {"key": key, "digest_size": 32} */
     PyObject *loads;      /* pickle.loads */
@@ -91,6 +136,7 @@ static void Checker_dealloc(Checker *self) {
     Py_XDECREF(self->seen);
     Py_XDECREF(self->envelope);
     Py_XDECREF(self->env_names);
+    Py_XDECREF(self->env_offsets);
     Py_XDECREF(self->blake2b);
     Py_XDECREF(self->mac_kwargs);
     Py_XDECREF(self->loads);
@@ -145,7 +191,7 @@ static PyObject *check(Checker *self, const unsigned char *p, Py_ssize_t size) {
     PyObject *values[6] = {PyLong_FromUnsignedLong(m), PyLong_FromLong(r), seq_obj, message,
                            PyBytes_FromStringAndSize((const char *)p + FIXED + n, size - FIXED - n), PyList_New(0)};
     PyObject *env = NULL;
-    if (values[0] && values[1] && values[4] && values[5]) env = make(self->envelope, self->env_names, values, 6);
+    if (values[0] && values[1] && values[4] && values[5]) env = make(self->envelope, self->env_names, self->env_offsets, values, 6);
     if (env != NULL) { /* only now: a header that does not unpickle raises, and nothing changed */
         Py_INCREF(seq_obj);
         PyList_SetItem(self->seen, at, seq_obj); /* (steals the reference) */
@@ -184,8 +230,14 @@ static PyObject *one_sender(PyObject *module, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "one_sender: the envelope must be a class of six fields");
         return NULL;
     }
+    PyObject *offsets = slot_offsets(envelope, env_names);
+    if (offsets == NULL) return NULL;
     Checker *self = PyObject_New(Checker, &CheckerType);
-    if (self == NULL) return NULL;
+    if (self == NULL) {
+        Py_DECREF(offsets);
+        return NULL;
+    }
+    self->env_offsets = offsets;
     self->mesh_id = mesh_id;
     self->rank = rank;
     Py_INCREF(seen);
@@ -305,11 +357,13 @@ typedef struct {
     PyObject_HEAD
     PyObject *types; /* protocol/base.py's _TYPES: the class of each tag, or None */
     PyObject *names; /* the field names of each, as a tuple (None where no class) */
+    PyObject *offsets; /* class -> where its fields live (`slot_offsets`), found on its first message */
 } Unpacker;
 
 static void Unpacker_dealloc(Unpacker *self) {
     Py_XDECREF(self->types);
     Py_XDECREF(self->names);
+    Py_XDECREF(self->offsets);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -338,7 +392,16 @@ static PyObject *Unpacker_call(Unpacker *self, PyObject *args, PyObject *kwargs)
                      PyTuple_GET_SIZE(t) - 1);
         return NULL;
     }
-    return make(cls, names, &PyTuple_GET_ITEM(t, 1), arity);
+    PyObject *offsets = PyDict_GetItemWithError(self->offsets, cls); /* (borrowed) */
+    if (offsets == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        offsets = slot_offsets(cls, names);
+        if (offsets == NULL) return NULL;
+        int failed = PyDict_SetItem(self->offsets, cls, offsets);
+        Py_DECREF(offsets); /* (the dict holds it) */
+        if (failed < 0) return NULL;
+    }
+    return make(cls, names, offsets, &PyTuple_GET_ITEM(t, 1), arity);
 }
 
 static PyTypeObject UnpackerType = {
@@ -353,8 +416,14 @@ static PyTypeObject UnpackerType = {
 static PyObject *unpacker(PyObject *module, PyObject *args) {
     PyObject *types, *names;
     if (!PyArg_ParseTuple(args, "O!O!:unpacker", &PyList_Type, &types, &PyList_Type, &names)) return NULL;
+    PyObject *offsets = PyDict_New();
+    if (offsets == NULL) return NULL;
     Unpacker *self = PyObject_New(Unpacker, &UnpackerType);
-    if (self == NULL) return NULL;
+    if (self == NULL) {
+        Py_DECREF(offsets);
+        return NULL;
+    }
+    self->offsets = offsets;
     Py_INCREF(types);
     self->types = types;
     Py_INCREF(names);
