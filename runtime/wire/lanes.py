@@ -223,6 +223,8 @@ class LaneClient:
     def ready(self) -> bool:
         """Whether a whole message is already read (waiting on the descriptor would not see it)."""
         if self._next is None:
+            if self.reader.end == self.reader.start:  # (nothing read and not taken: the common case)
+                return False
             try:
                 self._next = self.reader.next()
             except CorruptLane:

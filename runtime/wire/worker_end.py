@@ -149,8 +149,7 @@ class WorkerTransport:
 
     def ready(self) -> bool:
         """Whether a command was read already (a poller on `cmd` would not see it)."""
-        lane = self.lane
-        return lane is not None and (lane.reader.end != lane.reader.start or lane._next is not None) and lane.ready()
+        return self.lane is not None and self.lane.ready()
 
     def store_client(self) -> StoreConnection:
         """A connection of its own to the controller's store (one per thread: see `wire/store.py`)."""
