@@ -214,7 +214,7 @@ class SyntheticRanks(threading.Thread):
     def _actor_invoke(self, name: str, endpoint: str, args: tuple, kwargs: dict, *_: Any) -> Any:
         from monarch.runtime.worker.actors import _method
 
-        method, _ = _method(self.actors[(RANK, name)], endpoint)
+        method, *_ = _method(self.actors[(RANK, name)], endpoint)
         return method(*args, **kwargs)
 
     def _actor_stop(self, name: str) -> bool:
