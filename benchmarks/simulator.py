@@ -4,12 +4,15 @@ CPU mesh of the same shape, side by side in one run.
 
 Reported per program: step time (median over measured steps after two warm-up steps, and over rounds that
 alternate the two sides, each ended by fetching a value, as a notebook does; each round's error too, which
-shows how much of the error is the machine changing speed between rounds), peak memory above the step's
+shows how much of the error is the machine changing speed between rounds; a round's real steps are measured
+half before its calibration and half after, and a round where the two halves differ by more than `MOVED` is
+named: the machine changed speed while it calibrated), peak memory above the step's
 start (real: `monarch.memory`'s CPU recording; simulated: the model's allocations), and the overlap of
 communication with compute (real: `monarch.profiler`'s summary of one profiled step; simulated: the
 simulator's summary). The error is (simulated - measured) / measured.
 
-    python benchmarks/simulator.py [--workers 4] [--steps 12] [--rounds 7] [--profile PATH] [--only NAME]
+    python benchmarks/simulator.py [--workers 4] [--steps 20] [--rounds 7] [--profile PATH] [--only NAME]
+                                   [--json PATH]
     python benchmarks/simulator.py --device cuda    # on a GPU machine: one worker per GPU, a GPU profile
 
 With `--device cuda` the models and data live on the GPUs, the profile is the GPUs' own (calibrated, and
@@ -23,6 +26,7 @@ import argparse
 import contextlib
 import gc
 import io
+import json
 import os
 import pickle
 import statistics
@@ -123,7 +127,14 @@ def _allocated(size: int, cuda: bool) -> int:
     return -(-size // 512) * 512 if cuda else size
 
 
-def real_side(mesh, make, train, data, n: int, cuda: bool = False) -> dict:
+def real_times(mesh, make, train, data, n: int) -> list[float]:
+    """Seconds per real step, after two warm-up steps."""
+    return steps(mesh, make, train, data, n, time.perf_counter)[0][2:]
+
+
+def real_side(mesh, make, train, data, n: int, cuda: bool = False, before: list[float] | None = None) -> dict:
+    """The real step (its time with `before`'s, steps measured before this round's calibration), its peak
+    memory and overlap; `moved`: how far the step's median moved from `before`'s to this one's."""
     times, model = steps(mesh, make, train, data, n, time.perf_counter)
     # peak memory above the step's start, from monarch.memory's recording of one step
     with tempfile.TemporaryDirectory() as d:
@@ -152,13 +163,15 @@ def real_side(mesh, make, train, data, n: int, cuda: bool = False) -> dict:
         monarch.inspect(loss)
         summary = prof.result.summary if prof.result is not None else None
     overlaps = [r.overlap_pct or 0.0 for r in summary.ranks] if summary is not None else []  # percent
-    kept = sorted(times[2:])
+    kept = sorted(times[2:] + (before or []))
     quart = (kept[(3 * len(kept)) // 4] - kept[len(kept) // 4]) / statistics.median(kept)
+    moved = (statistics.median(times[2:]) - statistics.median(before)) / statistics.median(kept) if before else 0.0
     return {
         "step": statistics.median(kept),
         "peak": statistics.median(peaks),
         "overlap": _mean(overlaps),
         "spread": quart,  # (the real steps' interquartile range over their median: how steady the machine was)
+        "moved": moved,
     }
 
 
@@ -180,6 +193,9 @@ def sim_side(profile, hosts: int, gpus: int, make, train, data, n: int) -> dict:
 
 NOISY_STEPS = 0.25
 """Real steps whose interquartile range exceeds this share of their median: the machine was not steady."""
+MOVED = 0.10
+"""A real step whose median after its round's calibration differs from the one before by more than this share:
+the machine changed speed while it calibrated, and the profile describes neither."""
 
 
 def _quietly(fn, *args, **kwargs):
@@ -204,6 +220,7 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="a calibrated profile (default: calibrate before each round)")
     ap.add_argument("--only", default="", help="run the programs whose name contains this")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one worker per GPU")
+    ap.add_argument("--json", default=None, help="also write every round's figures (both sides) to this file")
     args = ap.parse_args()
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -222,29 +239,45 @@ def main() -> None:
     sims: dict[str, list] = {name: [] for name in chosen}
     sheets: dict[str, list] = {name: [] for name in chosen}
     trusts: list[str] = []
+    calibrations: list[dict] = []
     # rounds outside, programs inside: each round calibrates once (a VM speeds up and slows down within
-    # minutes), then measures every program on both sides, alternately
+    # minutes), then measures every program on both sides, alternately; the real steps are measured half
+    # before the calibration and half after, so that they see the machine the calibration saw (on this VM a
+    # program's median over 20 steps moves by ±10% within a minute with nothing else running)
     for i in range(args.rounds):
         print(f"round {i + 1} of {args.rounds}", file=sys.stderr, flush=True)
+        before: dict[str, list[float]] = {}
         if args.profile is None:
+            before = {name: real_times(mesh, *chosen[name], args.steps) for name in chosen}
             profile = _quietly(Simulator.calibrate, profile_path, workers=args.workers)
             trusts.append(profile.trust().removeprefix("; ") or "one pass")
+            calibrations.append({"profile": json.loads(profile.to_json()), "at": time.time()})
         for name, (make, train, data) in chosen.items():
-            reals[name].append(real_side(mesh, make, train, data, args.steps, args.device == "cuda"))
+            reals[name].append(real_side(mesh, make, train, data, args.steps, args.device == "cuda", before.get(name)))
             sims[name].append(sim_side(profile_path, 1, args.workers, make, train, data, args.steps))
             if args.device == "cuda":  # the datasheet's H100 beside the calibration
                 sheets[name].append(sim_side("h100", 1, args.workers, make, train, data, args.steps))
     rows = []
     worst: list[tuple[float, str]] = []
+    steady: list[tuple[float, str, int]] = []  # (per program: its worst round where the machine held steady)
     said: list[str] = []
     for name in chosen:
         real, sim = _medians(reals[name]), _medians(sims[name])
         errors = [(s["step"] - r["step"]) / r["step"] for r, s in zip(reals[name], sims[name])]
         worst.append((max(errors, key=abs), name))
+        held = [e for e, r in zip(errors, reals[name]) if abs(r["moved"]) <= MOVED and r["spread"] <= NOISY_STEPS]
+        if held:
+            steady.append((max(held, key=abs), name, len(held)))
         noisy = [i + 1 for i, r in enumerate(reals[name]) if r["spread"] > NOISY_STEPS]
         if noisy:
             said.append(
                 f"{name}: real steps spread by more than {100 * NOISY_STEPS:.0f}% (interquartile) in round(s) {noisy}"
+            )
+        moved = [f"{i + 1} ({100 * r['moved']:+.0f}%)" for i, r in enumerate(reals[name]) if abs(r["moved"]) > MOVED]
+        if moved:
+            said.append(
+                f"{name}: the real step moved by more than {100 * MOVED:.0f}% from before the calibration to after "
+                f"it in round(s) {', '.join(moved)}"
             )
         e_step = (sim["step"] - real["step"]) / real["step"]
         e_peak = (sim["peak"] - real["peak"]) / real["peak"] if real["peak"] else float("nan")
@@ -261,10 +294,16 @@ def main() -> None:
                 f"{'  (datasheet h100)':<42}{'':>13}{1000 * sheet:>8.2f}{100 * (sheet - real['step']) / real['step']:>7.0f}%"
             )
     mesh.exit()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"real": reals, "sim": sims, "calibrations": calibrations}, f, indent=1)
     if worst:
         e, name = max(worst, key=lambda x: abs(x[0]))
         print(f"worst round: {100 * e:+.0f}% ({name}); overlap error (points): "
               + ", ".join(f"{r[2]['overlap'] - r[1]['overlap']:+.1f}" for r in rows))  # fmt: skip
+    if steady:
+        print("worst round where the machine held steady: "
+              + ", ".join(f"{100 * e:+.0f}% ({name}, of {n})" for e, name, n in steady))  # fmt: skip
     for i, trust in enumerate(trusts):
         if "NOISY" in trust:
             said.append(f"round {i + 1}'s calibration: {trust}")
