@@ -296,7 +296,7 @@ def main() -> None:
     mesh.exit()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"real": reals, "sim": sims, "calibrations": calibrations}, f, indent=1)
+            json.dump({"workers": args.workers, "real": reals, "sim": sims, "calibrations": calibrations}, f, indent=1)
     if worst:
         e, name = max(worst, key=lambda x: abs(x[0]))
         print(f"worst round: {100 * e:+.0f}% ({name}); overlap error (points): "
