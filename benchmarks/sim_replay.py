@@ -4,9 +4,11 @@ round measured.
 
 A change to the model is judged on the same real steps as the code before it. On a shared VM the real side moves
 by ±10% within a minute, so a fresh run of the benchmark cannot show a change of a few points; replaying one
-run's rounds under both versions can. `--set` changes one of the profile's figures in every round (what a
-calibration change would do), and `--repeats` simulates each round more than once: the simulator times the
-controller's Python live, so its own step moves a little from run to run.
+run's rounds under both versions can. The simulated side moves too: the simulator times the controller's Python
+live (about half of a small DDP step), so a replay in a slower spell of the machine reads every simulated step
+longer. Compare versions replayed back to back, more than once. `--set` changes one of the profile's figures in
+every round (what a calibration change would do) and replays each round as calibrated and with the change in
+turns, so that both see the same machine; `--repeats` simulates each round more than once (the median).
 
     python benchmarks/simulator.py --rounds 5 --json run.json
     python benchmarks/sim_replay.py run.json [more.json ...] [--only NAME] [--repeats 3] [--set handoff=0.00025]
@@ -40,26 +42,48 @@ def _figure(text: str) -> tuple[str, object]:
         raise argparse.ArgumentTypeError(f"--set {name}: {value!r} is not a JSON value ({e})") from None
 
 
-def replay(runs: list[dict], only: str, repeats: int, changes: dict) -> list[tuple[str, list[tuple[float, bool]]]]:
-    """Per program: each round's error ((simulated - real) / real) and whether the machine held steady then."""
+Rounds = list[tuple[float, bool]]
+"""Each round's error ((simulated - real) / real) and whether the machine held steady then."""
+
+
+def replay(runs: list[dict], only: str, repeats: int, changes: dict) -> list[tuple[str, Rounds, Rounds | None]]:
+    """Per program: its rounds as calibrated, and with `changes` (None without any), replayed in turns."""
     chosen = {k: v for k, v in programs(monarch.Stream("comms")).items() if only in k}
     out = []
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "profile.json")
+
+        def simulate(profile: dict, workers: int, make, train, data) -> float:
+            with open(path, "w") as f:
+                json.dump(profile, f)
+            with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+                return sim_side(path, 1, workers, make, train, data, 20)["step"]
+
         for name, (make, train, data) in chosen.items():
-            rounds = []
+            plain: Rounds = []
+            changed: Rounds = []
             for run in runs:
                 for real, calibration in zip(run["real"].get(name, []), run["calibrations"]):
-                    with open(path, "w") as f:
-                        json.dump({**calibration["profile"], **changes}, f)
-                    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-                        step = statistics.median(
-                            sim_side(path, 1, run["workers"], make, train, data, 20)["step"] for _ in range(repeats)
-                        )
                     steady = abs(real.get("moved", 0.0)) <= MOVED and real["spread"] <= NOISY_STEPS
-                    rounds.append(((step - real["step"]) / real["step"], steady))
-            out.append((name, rounds))
+                    profiles = [calibration["profile"], {**calibration["profile"], **changes}] if changes else None
+                    steps: list[list[float]] = [[], []]
+                    for i in range(repeats):
+                        for which in ((0, 1) if i % 2 == 0 else (1, 0)) if profiles else (0,):
+                            profile = profiles[which] if profiles else calibration["profile"]
+                            steps[which].append(simulate(profile, run["workers"], make, train, data))
+                    plain.append((statistics.median(steps[0]) / real["step"] - 1, steady))
+                    if profiles:
+                        changed.append((statistics.median(steps[1]) / real["step"] - 1, steady))
+            out.append((name, plain, changed if changes else None))
     return out
+
+
+def _row(label: str, rounds: Rounds) -> str:
+    errors = [e for e, _ in rounds]
+    held = [e for e, steady in rounds if steady]
+    per_round = " ".join(f"{100 * e:+.0f}{'' if steady else '*'}" for e, steady in rounds)
+    return (f"{label:<42} median {100 * statistics.median(errors):+4.0f}  worst {100 * max(errors, key=abs):+4.0f}  "
+            f"worst steady {f'{100 * max(held, key=abs):+4.0f}' if held else '   -'}  {per_round}")  # fmt: skip
 
 
 def main() -> None:
@@ -85,12 +109,10 @@ def main() -> None:
         sys.exit(f"--set: no such figure in a profile: {', '.join(sorted(unknown))}")
     said = f" with {', '.join(f'{k}={v}' for k, v in changes.items())}" if changes else ""
     print(f"{sum(len(r['calibrations']) for r in runs)} rounds replayed{said}; error per round, %")
-    for name, rounds in replay(runs, args.only, args.repeats, changes):
-        errors = [e for e, _ in rounds]
-        held = [e for e, steady in rounds if steady]
-        per_round = " ".join(f"{100 * e:+.0f}{'' if steady else '*'}" for e, steady in rounds)
-        print(f"{name:<42} median {100 * statistics.median(errors):+4.0f}  worst {100 * max(errors, key=abs):+4.0f}  "
-              f"worst steady {f'{100 * max(held, key=abs):+4.0f}' if held else '   -'}  {per_round}")  # fmt: skip
+    for name, plain, changed in replay(runs, args.only, args.repeats, changes):
+        print(_row(name, plain))
+        if changed is not None:
+            print(_row(f"  {said.strip()}"[:42], changed))
     print(f"(* the machine moved by more than {100 * MOVED:.0f}% during that round, or its steps spread)")
 
 
