@@ -65,14 +65,15 @@ def replay(runs: list[dict], only: str, repeats: int, changes: dict) -> list[tup
             for run in runs:
                 for real, calibration in zip(run["real"].get(name, []), run["calibrations"]):
                     steady = abs(real.get("moved", 0.0)) <= MOVED and real["spread"] <= NOISY_STEPS
-                    profiles = [calibration["profile"], {**calibration["profile"], **changes}] if changes else None
-                    steps: list[list[float]] = [[], []]
-                    for i in range(repeats):
-                        for which in ((0, 1) if i % 2 == 0 else (1, 0)) if profiles else (0,):
-                            profile = profiles[which] if profiles else calibration["profile"]
-                            steps[which].append(simulate(profile, run["workers"], make, train, data))
+                    profiles = [calibration["profile"]]
+                    if changes:
+                        profiles.append({**calibration["profile"], **changes})
+                    steps: list[list[float]] = [[] for _ in profiles]
+                    for i in range(repeats):  # (in turns, first one first then the other: both see the same machine)
+                        for which in range(len(profiles)) if i % 2 == 0 else reversed(range(len(profiles))):
+                            steps[which].append(simulate(profiles[which], run["workers"], make, train, data))
                     plain.append((statistics.median(steps[0]) / real["step"] - 1, steady))
-                    if profiles:
+                    if changes:
                         changed.append((statistics.median(steps[1]) / real["step"] - 1, steady))
             out.append((name, plain, changed if changes else None))
     return out
