@@ -28,7 +28,7 @@ import tempfile
 import monarch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from simulator import MOVED, NOISY_STEPS, programs, sim_side  # noqa: E402  (the benchmark's programs and sides)
+from simulator import MOVED, held_steady, programs, sim_side  # noqa: E402  (the benchmark's programs and sides)
 
 
 def _figure(text: str) -> tuple[str, object]:
@@ -64,7 +64,7 @@ def replay(runs: list[dict], only: str, repeats: int, changes: dict) -> list[tup
             changed: Rounds = []
             for run in runs:
                 for real, calibration in zip(run["real"].get(name, []), run["calibrations"]):
-                    steady = abs(real.get("moved", 0.0)) <= MOVED and real["spread"] <= NOISY_STEPS
+                    steady = held_steady(real)
                     profiles = [calibration["profile"]]
                     if changes:
                         profiles.append({**calibration["profile"], **changes})

@@ -198,6 +198,11 @@ MOVED = 0.10
 the machine changed speed while it calibrated, and the profile describes neither."""
 
 
+def held_steady(real: dict) -> bool:
+    """Whether the machine held steady through a round's real steps: they neither spread nor moved."""
+    return abs(real.get("moved", 0.0)) <= MOVED and real["spread"] <= NOISY_STEPS
+
+
 def _quietly(fn, *args, **kwargs):
     """`fn`, with what it says on stderr dropped (calibrating's progress lines)."""
     with contextlib.redirect_stderr(io.StringIO()):
@@ -265,7 +270,7 @@ def main() -> None:
         real, sim = _medians(reals[name]), _medians(sims[name])
         errors = [(s["step"] - r["step"]) / r["step"] for r, s in zip(reals[name], sims[name])]
         worst.append((max(errors, key=abs), name))
-        held = [e for e, r in zip(errors, reals[name]) if abs(r["moved"]) <= MOVED and r["spread"] <= NOISY_STEPS]
+        held = [e for e, r in zip(errors, reals[name]) if held_steady(r)]
         if held:
             steady.append((max(held, key=abs), name, len(held)))
         noisy = [i + 1 for i, r in enumerate(reals[name]) if r["spread"] > NOISY_STEPS]
